@@ -1,0 +1,50 @@
+"""gadgetloader: PyTorch tables too big for the GPU.
+
+Tables live in GPU memory, in page-locked host RAM the GPU reads and writes in
+place, in ordinary RAM, or in .npy / HDF5 / zarr files; rows move to and from the
+GPU with one kernel per batch.
+
+``import gadgetloader`` needs only numpy, torch and tqdm: CuPy, h5py and zarr are
+imported when a feature needs them, and their absence raises an error naming the
+pip extra to install.
+"""
+
+from __future__ import annotations
+
+from ._device import PLACEMENTS, cuda_available
+from ._dtypes import SUPPORTED_DTYPES
+from ._errors import (
+    FallbackWarning,
+    GadgetClosedError,
+    GadgetError,
+    GadgetFileError,
+    GadgetFileNotFoundError,
+    GadgetIndexError,
+    GadgetKeyError,
+    GadgetTypeError,
+    GadgetValueError,
+    MissingDependencyError,
+    ReadOnlyError,
+)
+from .gadget import DataGadget
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PLACEMENTS",
+    "SUPPORTED_DTYPES",
+    "DataGadget",
+    "FallbackWarning",
+    "GadgetClosedError",
+    "GadgetError",
+    "GadgetFileError",
+    "GadgetFileNotFoundError",
+    "GadgetIndexError",
+    "GadgetKeyError",
+    "GadgetTypeError",
+    "GadgetValueError",
+    "MissingDependencyError",
+    "ReadOnlyError",
+    "__version__",
+    "cuda_available",
+]

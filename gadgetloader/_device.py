@@ -1,0 +1,135 @@
+"""Where work runs: CUDA detection, the CPU fallback, lazy CuPy, stream interop."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._errors import FallbackWarning, GadgetKeyError, GadgetTypeError, MissingDependencyError
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+__all__ = [
+    "PLACEMENTS",
+    "cuda_available",
+    "default_device",
+    "get_cupy",
+    "cupy_available",
+    "resolve_placement",
+    "resolve_device",
+    "warn_fallback",
+]
+
+#: every placement a store can have; ``file`` reads rows from a file on demand
+PLACEMENTS: tuple[str, ...] = ("cpu", "cuda", "file", "pinned")
+
+_warned: set[str] = set()
+
+
+def cuda_available() -> bool:
+    """True when torch sees a CUDA device."""
+    return torch.cuda.is_available()
+
+
+def default_device() -> torch.device:
+    """The device batches are delivered to: the current CUDA device, else the CPU."""
+    if cuda_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_device(device: Any) -> torch.device:
+    """``None`` -> :func:`default_device`; ``'cuda'`` -> the current CUDA device (or the CPU
+    with one warning where CUDA is missing); anything else as ``torch.device``."""
+    if device is None:
+        return default_device()
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not cuda_available():
+            warn_fallback("device", f"device {str(dev)!r} requested but CUDA is not available")
+            return torch.device("cpu")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
+    if dev.type != "cpu":
+        raise GadgetTypeError(f"unsupported device {str(dev)!r}; expected 'cuda', 'cuda:N' or 'cpu'")
+    return dev
+
+
+def warn_fallback(key: str, message: str) -> None:
+    """Warn once per process and ``key`` that a slower path is in use."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(message, FallbackWarning, stacklevel=3)
+
+
+def _reset_fallback_warnings() -> None:
+    """Forget which fallbacks were announced (for tests)."""
+    _warned.clear()
+
+
+def resolve_placement(placement: str) -> str:
+    """Validate a placement name and apply the CPU fallback.
+
+    Raises
+    ------
+    GadgetKeyError
+        For a name that is not a placement; the message lists the valid ones.
+    """
+    if not isinstance(placement, str) or placement.lower() not in PLACEMENTS:
+        raise GadgetKeyError(
+            f"Unknown placement {placement!r}; expected one of {list(PLACEMENTS)}"
+        )
+    placement = placement.lower()
+    if placement in ("cuda", "pinned") and not cuda_available():
+        warn_fallback(
+            "placement",
+            f"placement {placement!r} needs CUDA, which is not available: tables live in "
+            "ordinary host RAM ('cpu') and every operation runs on the CPU with the same results",
+        )
+        return "cpu"
+    return placement
+
+
+@functools.lru_cache(maxsize=1)
+def _import_cupy() -> ModuleType | None:
+    try:
+        import cupy
+    except Exception:  # ImportError, or a CuPy that cannot find its CUDA libraries
+        return None
+    return cupy
+
+
+def cupy_available() -> bool:
+    """True when CuPy imports (it does not need a GPU to import)."""
+    return _import_cupy() is not None
+
+
+def get_cupy(feature: str) -> ModuleType:
+    """Import CuPy for ``feature`` or raise an error naming the pip extra."""
+    cp = _import_cupy()
+    if cp is None:
+        raise MissingDependencyError(
+            f"{feature} requires CuPy, which is not installed; install it with "
+            "pip install 'gadgetloader[cuda12]' (CUDA 12) or 'gadgetloader[cuda13]' (CUDA 13)"
+        )
+    return cp
+
+
+_streams: dict[int, Any] = {}
+
+
+def cupy_stream(device: torch.device) -> Any:
+    """A CuPy view of torch's current stream on ``device`` (cached per stream)."""
+    cp = get_cupy("GPU kernels")
+    handle = torch.cuda.current_stream(device).cuda_stream
+    stream = _streams.get(handle)
+    if stream is None:
+        stream = cp.cuda.ExternalStream(handle, device.index if device.index is not None else 0)
+        _streams[handle] = stream
+    return stream

@@ -1,0 +1,79 @@
+"""Dtype names: one table that maps strings, NumPy and torch dtypes to a torch dtype."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._errors import GadgetTypeError
+
+__all__ = ["SUPPORTED_DTYPES", "as_torch_dtype", "numpy_dtype", "dtype_name"]
+
+#: torch dtype -> the NumPy dtype with the same bytes (bfloat16 has none: its bits travel as uint16)
+_NUMPY_OF: dict[torch.dtype, np.dtype] = {
+    torch.float16: np.dtype(np.float16),
+    torch.bfloat16: np.dtype(np.uint16),
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+    torch.int8: np.dtype(np.int8),
+    torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32),
+    torch.int64: np.dtype(np.int64),
+    torch.uint8: np.dtype(np.uint8),
+    torch.bool: np.dtype(np.bool_),
+}
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(_NUMPY_OF)
+
+_BY_NAME: dict[str, torch.dtype] = {dtype_str: dt for dt in SUPPORTED_DTYPES for dtype_str in (str(dt).removeprefix("torch."),)}
+_BY_NAME.update({"float": torch.float32, "double": torch.float64, "half": torch.float16, "long": torch.int64, "int": torch.int32, "bool_": torch.bool})
+_TORCH_OF_NUMPY: dict[np.dtype, torch.dtype] = {v: k for k, v in _NUMPY_OF.items() if k is not torch.bfloat16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``'float32'``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def as_torch_dtype(dtype: Any) -> torch.dtype:
+    """Turn a string (``'float32'``), NumPy dtype or torch dtype into a supported torch dtype.
+
+    Raises
+    ------
+    GadgetTypeError
+        For object, string, complex and other dtypes a table cannot hold.
+    """
+    if isinstance(dtype, torch.dtype):
+        result = dtype
+    elif isinstance(dtype, str) and dtype.removeprefix("torch.") in _BY_NAME:
+        result = _BY_NAME[dtype.removeprefix("torch.")]
+    else:
+        try:
+            npd = np.dtype(dtype)
+        except TypeError as exc:
+            raise GadgetTypeError(
+                f"unknown dtype {dtype!r}; expected one of {sorted(_BY_NAME)}"
+            ) from exc
+        if npd.name == "bfloat16":  # ml_dtypes.bfloat16
+            return torch.bfloat16
+        if npd.byteorder == ">":
+            npd = npd.newbyteorder("=")
+        result = _TORCH_OF_NUMPY.get(npd)  # type: ignore[assignment]
+        if result is None:
+            raise GadgetTypeError(
+                f"dtype {npd} is not supported for a table; expected a numeric or bool dtype, "
+                f"one of {[dtype_name(d) for d in SUPPORTED_DTYPES]}"
+            )
+    if result not in _NUMPY_OF:
+        raise GadgetTypeError(
+            f"dtype {result} is not supported for a table; expected one of "
+            f"{[dtype_name(d) for d in SUPPORTED_DTYPES]}"
+        )
+    return result
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The NumPy dtype holding the same bytes as ``dtype`` (``uint16`` for bfloat16)."""
+    return _NUMPY_OF[dtype]

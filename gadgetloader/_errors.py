@@ -1,0 +1,71 @@
+"""The library's exceptions and warnings.
+
+Every error raised by gadgetloader derives from :class:`GadgetError`, so
+``except gadgetloader.GadgetError`` catches them all; each also derives from the
+matching builtin (``IndexError``, ``ValueError``, ...), so code written against
+plain Python or NumPy keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FallbackWarning",
+    "GadgetClosedError",
+    "GadgetError",
+    "GadgetFileError",
+    "GadgetFileNotFoundError",
+    "GadgetIndexError",
+    "GadgetKeyError",
+    "GadgetTypeError",
+    "GadgetValueError",
+    "MissingDependencyError",
+    "ReadOnlyError",
+]
+
+
+class GadgetError(Exception):
+    """Base class of every gadgetloader error."""
+
+
+class GadgetIndexError(GadgetError, IndexError):
+    """Row ids out of range or negative."""
+
+
+class GadgetValueError(GadgetError, ValueError):
+    """A value of the right type but the wrong shape, size or content."""
+
+
+class GadgetTypeError(GadgetError, TypeError):
+    """An argument of the wrong type, dtype or device."""
+
+
+class GadgetKeyError(GadgetError, KeyError):
+    """A name (dataset, placement, strategy, optimizer state) that does not exist."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class GadgetFileError(GadgetError, OSError):
+    """A file that exists but cannot be used (truncated, wrong format, ...)."""
+
+
+class GadgetFileNotFoundError(GadgetError, FileNotFoundError):
+    """A path that does not exist."""
+
+
+class ReadOnlyError(GadgetError, PermissionError):
+    """A write to a store whose source cannot be written."""
+
+
+class GadgetClosedError(GadgetError, RuntimeError):
+    """Use of a store or gadget after ``close()``."""
+
+
+class MissingDependencyError(GadgetError, ImportError):
+    """A feature needs an optional package that is not installed."""
+
+
+class FallbackWarning(UserWarning):
+    """Emitted once per process when gadgetloader falls back to a slower path
+    (e.g. the ``cuda`` or ``pinned`` placement on a machine without CUDA)."""

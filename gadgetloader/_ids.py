@@ -1,0 +1,139 @@
+"""Row ids: accept every form users pass, check them once, merge duplicates.
+
+Ids arrive as torch tensors (CPU or CUDA), NumPy or CuPy arrays, lists, ranges or
+Python ints, of any integer dtype. :func:`as_ids` turns them into one int64 torch
+tensor on the device that will use them and checks the range *before* anything is
+read or written, so a bad id never reaches a kernel and never half-updates a table.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from ._errors import GadgetIndexError, GadgetTypeError
+
+__all__ = ["as_ids", "check_range", "last_writer", "LastWriter"]
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _to_tensor(indexes: Any) -> torch.Tensor:
+    if isinstance(indexes, torch.Tensor):
+        return indexes
+    if isinstance(indexes, np.ndarray):
+        if indexes.dtype.kind not in "iu":
+            raise GadgetTypeError(
+                f"ids must be integers; got a NumPy array of dtype {indexes.dtype}"
+            )
+        if indexes.dtype == np.uint64:
+            if indexes.size and int(indexes.max()) > np.iinfo(np.int64).max:
+                raise GadgetIndexError("ids larger than 2**63-1 cannot address any table")
+            indexes = indexes.astype(np.int64)
+        elif indexes.dtype in (np.uint16, np.uint32):
+            indexes = indexes.astype(np.int64)
+        return torch.from_numpy(np.ascontiguousarray(indexes))
+    if hasattr(indexes, "__cuda_array_interface__") or type(indexes).__module__.startswith("cupy"):
+        # CuPy (or any CUDA array): no copy through DLPack
+        try:
+            return torch.from_dlpack(indexes)
+        except Exception:
+            return torch.as_tensor(indexes, device="cuda")
+    if isinstance(indexes, (int, np.integer)) and not isinstance(indexes, bool):
+        return torch.tensor(int(indexes), dtype=torch.int64)
+    if isinstance(indexes, range):
+        return torch.arange(indexes.start, indexes.stop, indexes.step, dtype=torch.int64)
+    if isinstance(indexes, (list, tuple)):
+        if len(indexes) == 0:
+            return torch.empty(0, dtype=torch.int64)
+        arr = np.asarray(indexes)
+        if arr.dtype.kind not in "iu":
+            raise GadgetTypeError(
+                f"ids must be integers; got a {type(indexes).__name__} holding {arr.dtype} values"
+            )
+        return _to_tensor(arr)
+    raise GadgetTypeError(
+        "ids must be a torch tensor, a NumPy or CuPy array, a list, a range or an int; "
+        f"got {type(indexes).__name__}"
+    )
+
+
+def check_range(ids: torch.Tensor, num_rows: int) -> None:
+    """Raise :class:`GadgetIndexError` unless every id is in ``[0, num_rows)``.
+
+    For CUDA ids this reads two numbers back (one stream synchronisation, no
+    device-wide synchronisation).
+    """
+    if ids.numel() == 0:
+        return
+    if ids.is_cuda:
+        lo, hi = torch.aminmax(ids)
+        lo_v, hi_v = torch.stack((lo, hi)).tolist()
+    else:
+        lo_v, hi_v = int(ids.min()), int(ids.max())
+    if lo_v < 0 or hi_v >= num_rows:
+        bad = lo_v if lo_v < 0 else hi_v
+        what = "negative" if bad < 0 else "out of range"
+        raise GadgetIndexError(
+            f"id {bad} is {what}: this table has {num_rows} rows, so ids must be in "
+            f"[0, {num_rows - 1}] (ids seen: min {lo_v}, max {hi_v}); nothing was read or written"
+        )
+
+
+def as_ids(indexes: Any, num_rows: int, device: torch.device | None = None) -> torch.Tensor:
+    """Convert ``indexes`` to a checked int64 tensor on ``device`` (default: where it is).
+
+    The returned tensor keeps the shape of ``indexes`` (a Python int gives a 0-d tensor).
+
+    Raises
+    ------
+    GadgetTypeError
+        Non-integer ids (floats, bools) or an unsupported container.
+    GadgetIndexError
+        A negative id or one ``>= num_rows``.
+    """
+    t = _to_tensor(indexes)
+    if t.dtype == torch.bool:
+        raise GadgetTypeError(
+            "ids must be integers; got a bool tensor (use mask.nonzero().squeeze(1) for a mask)"
+        )
+    if t.dtype not in _INT_DTYPES and not (
+        t.dtype in (torch.uint16, torch.uint32, torch.uint64) if hasattr(torch, "uint16") else False
+    ):
+        raise GadgetTypeError(f"ids must be integers; got dtype {t.dtype}")
+    if t.device.type not in ("cpu", "cuda"):
+        raise GadgetTypeError(f"ids must be on the CPU or a CUDA device; got {t.device}")
+    if device is not None and t.is_cuda and device.type == "cuda" and t.device != device:
+        raise GadgetTypeError(f"ids are on {t.device} but this table is used from {device}")
+    if t.dtype != torch.int64:
+        t = t.to(torch.int64)
+    check_range(t, num_rows)
+    if device is not None and t.device != device:
+        t = t.to(device, non_blocking=t.is_pinned() if t.device.type == "cpu" else False)
+    return t
+
+
+class LastWriter(NamedTuple):
+    """The plan for a scatter with repeated ids: for each *distinct* id the position of
+    its last occurrence, in ascending id order.
+
+    ``ids[keep]`` are the distinct ids, sorted; ``pos[keep]`` are the rows of the data
+    that win. Entries where ``keep`` is False are repeats that lose and are skipped.
+    Keeping the mask (instead of compacting) avoids a GPU->CPU synchronisation.
+    """
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    keep: torch.Tensor
+
+
+def last_writer(ids: torch.Tensor) -> LastWriter:
+    """Sort ``ids`` (stably) and mark the last occurrence of each distinct id."""
+    flat = ids.reshape(-1)
+    sorted_ids, pos = torch.sort(flat, stable=True)
+    keep = torch.ones_like(sorted_ids, dtype=torch.bool)
+    if flat.numel() > 1:
+        torch.ne(sorted_ids[1:], sorted_ids[:-1], out=keep[:-1])
+    return LastWriter(sorted_ids, pos, keep)

@@ -1,0 +1,385 @@
+"""DataGadget: the user-facing object over one table."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import io as _io
+from ._device import resolve_device, resolve_placement
+from ._dtypes import as_torch_dtype, dtype_name, numpy_dtype
+from ._errors import GadgetTypeError, GadgetValueError
+from ._ids import as_ids
+from .stores import Store, empty_store
+
+__all__ = ["DataGadget", "as_tensor_data"]
+
+_Shape = tuple[int, ...]
+
+
+def as_tensor_data(data: Any, what: str = "data") -> torch.Tensor:
+    """A torch tensor over ``data`` (tensor, NumPy or CuPy array) without copying where possible."""
+    if isinstance(data, torch.Tensor):
+        return data
+    if isinstance(data, np.ndarray):
+        if data.dtype.hasobject or data.dtype.kind in "OSUVMmc":
+            raise GadgetTypeError(f"{what} has dtype {data.dtype}; expected a numeric or bool dtype")
+        if data.dtype.name == "bfloat16":
+            return torch.from_numpy(np.ascontiguousarray(data).view(np.int16)).view(torch.bfloat16)
+        as_torch_dtype(data.dtype)  # raises for unsupported dtypes
+        return torch.from_numpy(np.ascontiguousarray(data))
+    if hasattr(data, "__cuda_array_interface__") or hasattr(data, "__dlpack__"):
+        return torch.from_dlpack(data)
+    raise GadgetTypeError(
+        f"{what} must be a torch tensor or a NumPy/CuPy array; got {type(data).__name__}"
+    )
+
+
+def _is_shape(obj: Any) -> bool:
+    return isinstance(obj, (tuple, list)) and len(obj) > 0 and all(
+        isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in obj
+    )
+
+
+class DataGadget:
+    """A table of rows -- embeddings, features, labels -- that the GPU gathers from and scatters to.
+
+    Parameters
+    ----------
+    fileName : str, path, numpy.ndarray, torch.Tensor, CuPy array or tuple of int, optional
+        Where the table comes from: a file (.npy; HDF5 and zarr with the ``hdf5`` /
+        ``zarr`` extras), an array or tensor (copied in), or a shape for a new
+        zero-filled table (then give ``dtype``).
+    CPUPinn : bool, default False
+        SpeedTorch's switch: True keeps the table in pinned host RAM that the GPU
+        reads in place, False in GPU memory. ``placement`` overrides it.
+    placement : {'cuda', 'pinned', 'cpu', 'file'}, optional
+        Where the rows live. ``cuda`` and ``pinned`` fall back to ``cpu`` (with one
+        warning) on a machine without CUDA.
+    shape, dtype
+        For a new table (``dtype`` defaults to float32). ``dtype`` may be a string
+        (``'float32'``), a NumPy or a torch dtype.
+    device : str or torch.device, optional
+        Where :meth:`getData` delivers rows: the current CUDA device by default, the
+        CPU where CUDA is missing.
+    dataset, format : str, optional
+        For files: the array inside an HDF5 file or zarr group; force a format.
+    progress : bool, optional
+        Progress bar for file loads (default: only for large files).
+    strategy : str, default 'auto'
+        Transfer strategy for GPU gathers/scatters (see ``gadgetloader.transfer``).
+
+    Notes
+    -----
+    With ``pinned`` the table costs its own size in host RAM (plus less than a
+    page) and :meth:`getData` / :meth:`insertData` run as GPU kernels reading and
+    writing that memory over PCIe, near the link's bandwidth, with no CPU
+    indexing. All work is queued on torch's current CUDA stream.
+
+    Examples
+    --------
+    >>> import torch, gadgetloader as gl
+    >>> g = gl.DataGadget((1000, 16), dtype="float32", placement="cpu")
+    >>> g.insertData(torch.ones(2, 16), [3, 7])
+    >>> g.getData([7, 3, 0]).sum(dim=1).tolist()
+    [16.0, 16.0, 0.0]
+    """
+
+    def __init__(
+        self,
+        fileName: Any = None,
+        CPUPinn: bool = False,
+        *,
+        placement: str | None = None,
+        shape: _Shape | None = None,
+        dtype: Any = None,
+        device: Any = None,
+        dataset: str | None = None,
+        format: str | None = None,
+        progress: bool | None = None,
+        strategy: str = "auto",
+        **options: Any,
+    ) -> None:
+        requested = placement if placement is not None else ("pinned" if CPUPinn else "cuda")
+        self._placement_requested = requested
+        self._device = resolve_device(device)
+        self._strategy = strategy
+        self._source_path: str | None = None
+        cuda_dev = self._device if self._device.type == "cuda" else None
+        if fileName is not None and shape is not None:
+            raise GadgetValueError("give either a source (fileName) or shape=, not both")
+        if fileName is None and shape is None:
+            raise GadgetValueError(
+                "DataGadget needs a source: a file path, an array or tensor, or a shape "
+                "(e.g. DataGadget((1000, 128), dtype='float32'))"
+            )
+        if fileName is None or _is_shape(fileName):
+            shp = tuple(int(s) for s in (shape if shape is not None else fileName))
+            if any(s < 0 for s in shp):
+                raise GadgetValueError(f"shape must be non-negative; got {shp}")
+            self._store: Store = empty_store(requested, shp, as_torch_dtype(dtype or "float32"), cuda_dev)
+        elif isinstance(fileName, (str, os.PathLike)):
+            self._source_path = os.fspath(fileName)
+            self._store = self._open_file(self._source_path, requested, dataset, format, progress, dtype, options)
+        else:
+            data = as_tensor_data(fileName, "the source array")
+            if data.dim() == 0:
+                raise GadgetValueError("a table needs at least one axis; got a 0-d array")
+            if dtype is not None and as_torch_dtype(dtype) != data.dtype:
+                data = data.to(as_torch_dtype(dtype))
+            as_torch_dtype(data.dtype)
+            self._store = empty_store(requested, tuple(data.shape), data.dtype, cuda_dev)
+            if data.numel():
+                self._store.write_block(0, data)
+                self._store.synchronize()
+
+    # ---- construction helpers --------------------------------------------------------
+    def _open_file(self, path: str, placement: str, dataset: str | None, fmt: str | None, progress: bool | None, dtype: Any, options: dict[str, Any]) -> Store:
+        source = _io.open_source(path, format=fmt, dataset=dataset)
+        if dtype is not None and as_torch_dtype(dtype) != source.dtype:
+            raise GadgetTypeError(
+                f"{path} holds {dtype_name(source.dtype)} but dtype={dtype!r} was requested"
+            )
+        if source.num_rows == 0:
+            raise GadgetValueError(f"{path} holds a table with zero rows {source.shape}; nothing to load")
+        if placement == "file":
+            from .stores import file_store  # provided by the files module
+
+            return file_store(source, **options)
+        if options:
+            raise GadgetTypeError(f"unexpected options for an in-memory placement: {sorted(options)}")
+        store = empty_store(placement, source.shape, source.dtype, self._device if self._device.type == "cuda" else None)
+        try:
+            _io.load_into(source, store, progress=progress)
+        except BaseException:
+            store.close()
+            raise
+        finally:
+            source.close()
+        return store
+
+    @classmethod
+    def zeros(cls, shape: _Shape, dtype: Any = "float32", *, placement: str = "cuda", **kwargs: Any) -> DataGadget:
+        """A zero-filled table."""
+        return cls(shape=tuple(shape), dtype=dtype, placement=placement, **kwargs)
+
+    # ---- facts ---------------------------------------------------------------------------
+    @property
+    def store(self) -> Store:
+        return self._store
+
+    @property
+    def shape(self) -> _Shape:
+        return self._store.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._store.dtype
+
+    @property
+    def placement(self) -> str:
+        """Where the rows live (after any CPU fallback)."""
+        return self._store.placement
+
+    @property
+    def device(self) -> torch.device:
+        """Where :meth:`getData` delivers rows."""
+        return self._device
+
+    @property
+    def nbytes(self) -> int:
+        return self._store.nbytes
+
+    @property
+    def row_shape(self) -> _Shape:
+        return self._store.row_shape
+
+    def __len__(self) -> int:
+        return self._store.num_rows
+
+    def __repr__(self) -> str:
+        return (
+            f"DataGadget(shape={self.shape}, dtype={dtype_name(self.dtype)}, "
+            f"placement={self.placement!r}, device={str(self._device)!r})"
+        )
+
+    # ---- rows in and out -----------------------------------------------------------------
+    def getData(self, indexes: Any, *, device: Any = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows at ``indexes``, as a tensor on :attr:`device` (CUDA where available).
+
+        Parameters
+        ----------
+        indexes : torch tensor (CPU or CUDA), NumPy or CuPy array, list, range or int
+            Row ids of any integer dtype and any shape; the result has shape
+            ``indexes.shape + row_shape`` (a plain int gives one row without a leading axis).
+        device : optional
+            Deliver to this device instead of :attr:`device`.
+        out : torch.Tensor, optional
+            A contiguous tensor of the result's shape and dtype to fill (on the GPU path).
+
+        Raises
+        ------
+        GadgetIndexError
+            A negative id or one ``>= len(self)`` (nothing is read).
+        GadgetTypeError
+            Non-integer ids.
+        """
+        self._store.check_open()
+        dev = self._device if device is None else resolve_device(device)
+        ids = as_ids(indexes, len(self), self._store.ids_device(dev))
+        return self._store.gather(ids, dev, out=out, strategy=self._strategy)
+
+    def insertData(self, dataObject: Any, indexes: Any) -> None:
+        """Write rows: ``table[indexes[i]] = dataObject[i]``.
+
+        ``dataObject`` is a torch tensor (CPU or CUDA), NumPy or CuPy array of the
+        table's dtype and shape ``indexes.shape + row_shape``. Where an id repeats,
+        the row of its **last** occurrence is written (on every placement).
+
+        Raises
+        ------
+        GadgetIndexError, GadgetTypeError, GadgetValueError
+            Bad ids, a wrong dtype or device, or a wrong shape -- all checked before
+            anything is written, so the table is unchanged.
+        """
+        self._store.check_writable()
+        data = as_tensor_data(dataObject)
+        if data.dtype != self.dtype:
+            raise GadgetTypeError(
+                f"insertData expected {dtype_name(self.dtype)} data (the table's dtype) but got "
+                f"{dtype_name(data.dtype) if isinstance(data.dtype, torch.dtype) else data.dtype}; "
+                f"convert it with .to({self.dtype})"
+            )
+        if data.device.type not in ("cpu", "cuda"):
+            raise GadgetTypeError(f"insertData expected data on the CPU or a CUDA device; got {data.device}")
+        cuda_dev = self._store.cuda_device
+        if data.is_cuda and cuda_dev is not None and data.device != cuda_dev:
+            raise GadgetTypeError(
+                f"insertData got data on {data.device} but this table is addressed from {cuda_dev}"
+            )
+        target = data.device if data.is_cuda else torch.device("cpu")
+        ids = as_ids(indexes, len(self), self._store.ids_device(target if cuda_dev is not None else torch.device("cpu")))
+        expected = (*ids.shape, *self.row_shape)
+        if tuple(data.shape) != expected:
+            raise GadgetValueError(
+                f"insertData expected data of shape {expected} (ids shape {tuple(ids.shape)} + row "
+                f"shape {self.row_shape}) but got {tuple(data.shape)}"
+            )
+        if ids.numel() == 0:
+            return
+        self._store.scatter(ids, data, strategy=self._strategy)
+
+    def __getitem__(self, indexes: Any) -> torch.Tensor:
+        return self.getData(indexes)
+
+    def __setitem__(self, indexes: Any, value: Any) -> None:
+        self.insertData(value, indexes)
+
+    gather = getData
+
+    def scatter(self, indexes: Any, data: Any) -> None:
+        """``insertData`` with torch's argument order: ``scatter(ids, rows)``."""
+        self.insertData(data, indexes)
+
+    # ---- whole-table access ------------------------------------------------------------
+    def as_tensor(self) -> torch.Tensor:
+        """The whole table as a torch tensor *without copying*: the CUDA view for
+        ``cuda`` and ``pinned`` (GPU ops on it read/write host RAM in place for
+        ``pinned``), the CPU tensor for ``cpu``. Valid until :meth:`close`."""
+        self._store.check_open()
+        view = self._store.device_view()
+        if view is None:
+            view = self._store.host_view()
+        if view is None:
+            raise GadgetTypeError(f"a {self.placement} table has no in-memory tensor view")
+        return view
+
+    def getNumpyVersion(self, copy: bool = True) -> np.ndarray:
+        """The table as a NumPy array (a copy unless ``copy=False`` on a host-resident table).
+
+        bfloat16 tables come back as float32 (exact), since NumPy has no bfloat16.
+        """
+        self._store.check_open()
+        host = self._store.host_view()
+        if host is not None and not copy and self.dtype != torch.bfloat16:
+            return host.numpy()
+        out = np.empty(self.shape, dtype=np.float32 if self.dtype == torch.bfloat16 else numpy_dtype(self.dtype))
+        self._store.synchronize()
+        step = max(1, (64 << 20) // max(1, self._store.row_nbytes))
+        for start in range(0, len(self), step):
+            stop = min(len(self), start + step)
+            block = self._store.read_block(start, stop)
+            if self.dtype == torch.bfloat16:
+                block = block.float()
+            out[start:stop] = block.numpy()
+        return out
+
+    numpy = getNumpyVersion
+
+    # ---- initialisers ------------------------------------------------------------------
+    def init_(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> DataGadget:
+        """Fill the table in place with any torch initializer, e.g.
+        ``g.init_(torch.nn.init.xavier_uniform_)``. On ``pinned`` the GPU writes
+        straight into host RAM: no GPU-sized temporary."""
+        self._store.apply_(fn, *args, **kwargs)
+        return self
+
+    def zero_(self) -> DataGadget:
+        return self.init_(torch.Tensor.zero_)
+
+    def fill_(self, value: float) -> DataGadget:
+        return self.init_(torch.Tensor.fill_, value)
+
+    def uniform_(self, low: float = 0.0, high: float = 1.0, *, generator: torch.Generator | None = None) -> DataGadget:
+        return self.init_(torch.Tensor.uniform_, low, high, generator=generator)
+
+    def normal_(self, mean: float = 0.0, std: float = 1.0, *, generator: torch.Generator | None = None) -> DataGadget:
+        return self.init_(torch.Tensor.normal_, mean, std, generator=generator)
+
+    # ---- files ---------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str], *, dataset: str | None = None, format: str | None = None, progress: bool | None = None, **options: Any) -> None:
+        """Write the table to ``path`` (format from the extension), streaming block by
+        block with no full-size temporary, atomically: an error part-way leaves any
+        previous file at ``path`` intact."""
+        self._store.check_open()
+        self._store.synchronize()
+        kwargs = dict(options)
+        if dataset is not None:
+            kwargs["dataset"] = dataset
+        sink = _io.open_sink(path, self.shape, self.dtype, format=format, **kwargs)
+        _io.save_from(self._store, sink, progress=progress, desc=f"save {os.fspath(path)}")
+
+    def saveCupy(self, saveFileName: str | os.PathLike[str]) -> None:
+        """Save as .npy (SpeedTorch's name); atomic and streamed like :meth:`save`."""
+        self.save(saveFileName, format="npy")
+
+    def loadCupy(self, loadFileName: str | os.PathLike[str]) -> None:
+        """Replace the table with the .npy file's contents (SpeedTorch's name), keeping the placement.
+
+        The file is checked (exists, not truncated, supported dtype) before the
+        current table is released.
+        """
+        self.load(loadFileName, format="npy")
+
+    def load(self, path: str | os.PathLike[str], *, dataset: str | None = None, format: str | None = None, progress: bool | None = None) -> None:
+        """Replace the table with a file's contents, keeping the placement."""
+        new = self._open_file(os.fspath(path), self.placement if self.placement != "file" else self._placement_requested, dataset, format, progress, None, {})
+        old, self._store = self._store, new
+        old.close()
+
+    # ---- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the table's memory now (idempotent). Also happens on garbage collection."""
+        self._store.close()
+
+    def __enter__(self) -> DataGadget:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+

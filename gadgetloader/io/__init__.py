@@ -1,0 +1,26 @@
+"""How files are read and written: one module per format behind :class:`ArraySource` / :class:`ArraySink`."""
+
+from __future__ import annotations
+
+from ._atomic import replace_atomically, temp_path_beside
+from ._base import ArraySink, ArraySource
+from ._npy import NpySink, NpySource, is_npy
+from ._open import FORMATS, guess_format, open_sink, open_source, register_format
+from ._stream import load_into, save_from
+
+__all__ = [
+    "FORMATS",
+    "ArraySink",
+    "guess_format",
+    "open_sink",
+    "open_source",
+    "register_format",
+    "ArraySource",
+    "NpySink",
+    "NpySource",
+    "is_npy",
+    "load_into",
+    "replace_atomically",
+    "save_from",
+    "temp_path_beside",
+]

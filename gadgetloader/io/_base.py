@@ -1,0 +1,100 @@
+"""The file-format contract: a source reads row blocks, a sink writes them.
+
+Every format (.npy, HDF5, zarr) implements these two small classes; loading,
+saving, converting and file-backed stores are written once against them.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from .._dtypes import numpy_dtype
+
+__all__ = ["ArraySink", "ArraySource"]
+
+
+class ArraySource(abc.ABC):
+    """A 2-or-more-D array in a file, read in blocks of whole rows.
+
+    Attributes
+    ----------
+    path : str
+    shape : tuple of int
+    dtype : torch.dtype
+    chunk_rows : int
+        The natural read unit in rows (the file's own chunking, or a few MB for .npy).
+    """
+
+    format: ClassVar[str]
+    #: whether :meth:`write_rows` works on this source (write-through for file-backed stores)
+    supports_writes: ClassVar[bool] = False
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunk_rows: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def row_nbytes(self) -> int:
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_rows * self.row_nbytes
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return numpy_dtype(self.dtype)
+
+    @abc.abstractmethod
+    def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
+        """Fill ``out`` (C-contiguous, ``numpy_dtype``, shape ``(stop-start, *shape[1:])``)."""
+
+    def write_rows(self, start: int, rows: np.ndarray) -> None:
+        """Write rows back to the file (only where :attr:`supports_writes`)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release file handles (reopened lazily if used again)."""
+
+    def __enter__(self) -> ArraySource:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class ArraySink(abc.ABC):
+    """A file being written in row blocks, beside its target, renamed into place on commit."""
+
+    format: ClassVar[str]
+
+    @abc.abstractmethod
+    def write(self, start: int, rows: np.ndarray) -> None:
+        """Write the C-contiguous block ``rows`` at row ``start``."""
+
+    @abc.abstractmethod
+    def commit(self) -> None:
+        """Flush, fsync and atomically move the file into place."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Remove the partial file; the previous target (if any) is untouched."""
+
+    def __enter__(self) -> ArraySink:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()

@@ -1,0 +1,188 @@
+"""The .npy format: header parsing, block reads straight into the destination, streamed atomic writes."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+from .._dtypes import as_torch_dtype, dtype_name, numpy_dtype
+from .._errors import GadgetFileError, GadgetFileNotFoundError, GadgetTypeError, GadgetValueError
+from ._atomic import remove_path, replace_atomically, temp_path_beside
+from ._base import ArraySink, ArraySource
+
+__all__ = ["NpySink", "NpySource", "is_npy"]
+
+#: rows per read for .npy files: about this many bytes
+NPY_BLOCK_BYTES = 8 << 20
+_MAGIC = b"\x93NUMPY"
+
+
+def is_npy(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a file that starts with the .npy magic string."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(6) == _MAGIC
+    except OSError:
+        return False
+
+
+def _read_header(f: BinaryIO, path: str) -> tuple[tuple[int, ...], np.dtype, bool, int]:
+    try:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version in ((2, 0), (3, 0)):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            raise ValueError(f"unsupported .npy version {version}")
+    except ValueError as exc:
+        raise GadgetFileError(f"{path}: not a readable .npy file ({exc})") from exc
+    return tuple(shape), dtype, fortran, f.tell()
+
+
+class NpySource(ArraySource):
+    """Rows of a C-ordered .npy file, read with ``readinto`` into the caller's buffer.
+
+    Raises
+    ------
+    GadgetFileNotFoundError
+        The path does not exist.
+    GadgetFileError
+        The file is not .npy, or is shorter than its header says (truncated).
+    GadgetTypeError
+        The dtype cannot be a table (object, strings, ...).
+    """
+
+    format = "npy"
+    supports_writes = True
+
+    def __init__(self, path: str | os.PathLike[str], *, mode: str = "r", dataset: str | None = None) -> None:
+        self.path = str(path)
+        if dataset is not None:
+            raise GadgetValueError(f"{self.path}: a .npy file holds one array; dataset={dataset!r} does not apply")
+        if not os.path.exists(self.path):
+            raise GadgetFileNotFoundError(f"no such .npy file: {self.path}")
+        if os.path.isdir(self.path):
+            raise GadgetFileError(f"{self.path} is a directory, not a .npy file")
+        self._mode = mode
+        with open(self.path, "rb") as f:
+            shape, npd, fortran, offset = _read_header(f, self.path)
+        if npd.hasobject or npd.kind in "OSUVMm":
+            raise GadgetTypeError(
+                f"{self.path}: dtype {npd} cannot be a table; expected a numeric or bool dtype"
+            )
+        try:
+            self.dtype = as_torch_dtype(npd)
+        except GadgetTypeError as exc:
+            raise GadgetTypeError(f"{self.path}: {exc}") from exc
+        if len(shape) == 0:
+            raise GadgetValueError(f"{self.path}: holds a scalar; a table needs at least one axis")
+        self.shape = shape
+        self._file_dtype = npd
+        self._fortran = fortran
+        self._offset = offset
+        need = offset + math.prod(shape) * npd.itemsize
+        size = os.path.getsize(self.path)
+        if size < need:
+            raise GadgetFileError(
+                f"{self.path} is truncated: its header promises {shape} {npd} "
+                f"({need} bytes with the header) but the file has {size} bytes"
+            )
+        self.chunk_rows = max(1, NPY_BLOCK_BYTES // max(1, self.row_nbytes))
+        self._f: BinaryIO | None = None
+
+    def _file(self) -> BinaryIO:
+        if self._f is None or self._f.closed:
+            self._f = open(self.path, "r+b" if self._mode == "r+" else "rb", buffering=0)  # noqa: SIM115
+        return self._f
+
+    def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
+        if self._fortran or self._file_dtype.byteorder == ">":
+            mm = np.load(self.path, mmap_mode="r")
+            out[...] = mm[start:stop]
+            return
+        f = self._file()
+        f.seek(self._offset + start * self.row_nbytes)
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        done = 0
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise GadgetFileError(f"{self.path}: unexpected end of file (truncated while reading)")
+            done += n
+
+    def write_rows(self, start: int, rows: np.ndarray) -> None:
+        if self._fortran:
+            raise GadgetValueError(f"{self.path}: cannot write into a Fortran-ordered .npy")
+        f = self._file()
+        f.seek(self._offset + start * self.row_nbytes)
+        f.write(memoryview(np.ascontiguousarray(rows).reshape(-1).view(np.uint8)))
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_f"] = None
+        return state
+
+
+class NpySink(ArraySink):
+    """Writes a .npy file beside ``path`` and renames it into place on :meth:`commit`."""
+
+    format = "npy"
+
+    def __init__(self, path: str | os.PathLike[str], shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        if dtype == torch.bfloat16:
+            raise GadgetTypeError(
+                "NumPy has no bfloat16 dtype, so a bfloat16 table has no .npy form; save it to "
+                "HDF5 or zarr (bit-exact), or convert it with .to(torch.float32) first"
+            )
+        self.path = Path(path)
+        if not self.path.parent.exists():
+            raise GadgetFileNotFoundError(f"directory {self.path.parent} does not exist")
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self._npd = numpy_dtype(dtype)
+        self._tmp = temp_path_beside(self.path)
+        self._f: BinaryIO | None = open(self._tmp, "wb")  # noqa: SIM115
+        header = {"descr": np.lib.format.dtype_to_descr(self._npd), "fortran_order": False, "shape": self.shape}
+        try:
+            np.lib.format.write_array_header_1_0(self._f, header)
+        except ValueError:
+            np.lib.format.write_array_header_2_0(self._f, header)
+        self._offset = self._f.tell()
+        self._row_nbytes = math.prod(self.shape[1:]) * self._npd.itemsize
+
+    def write(self, start: int, rows: np.ndarray) -> None:
+        assert self._f is not None
+        self._f.seek(self._offset + start * self._row_nbytes)
+        self._f.write(memoryview(np.ascontiguousarray(rows).reshape(-1).view(np.uint8)))
+
+    def commit(self) -> None:
+        assert self._f is not None
+        total = self._offset + self.shape[0] * self._row_nbytes
+        self._f.truncate(total)
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        self._f = None
+        replace_atomically(self._tmp, self.path)
+
+    def abort(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        remove_path(self._tmp)
+
+
+def describe(path: str) -> str:
+    src = NpySource(path)
+    return f"{path}: .npy {src.shape} {dtype_name(src.dtype)}"

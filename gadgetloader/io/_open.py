@@ -1,0 +1,86 @@
+"""Choosing a format for a path: by ``format=``, then by extension, then by content."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._errors import GadgetFileNotFoundError, GadgetKeyError, GadgetValueError
+from ._base import ArraySink, ArraySource
+from ._npy import NpySink, NpySource, is_npy
+
+__all__ = ["FORMATS", "open_source", "open_sink", "guess_format", "register_format"]
+
+#: format name -> (source factory, sink factory, extensions, content sniffer)
+_REGISTRY: dict[str, tuple[Callable[..., ArraySource], Callable[..., ArraySink], tuple[str, ...], Callable[[str], bool]]] = {}
+
+
+def register_format(
+    name: str,
+    source: Callable[..., ArraySource],
+    sink: Callable[..., ArraySink],
+    extensions: tuple[str, ...],
+    sniff: Callable[[str], bool],
+) -> None:
+    """Make a format known to :func:`open_source` / :func:`open_sink`."""
+    _REGISTRY[name] = (source, sink, extensions, sniff)
+
+
+register_format("npy", NpySource, NpySink, (".npy",), is_npy)
+
+FORMATS = _REGISTRY  # read-only by convention
+
+
+def guess_format(path: str | os.PathLike[str], *, must_exist: bool = True) -> str:
+    """The format of ``path`` from its extension, else its content."""
+    p = str(path)
+    lower = p.lower().rstrip("/")
+    for name, (_, _, exts, _) in _REGISTRY.items():
+        if any(lower.endswith(e) for e in exts):
+            return name
+    if must_exist:
+        if not os.path.exists(p):
+            raise GadgetFileNotFoundError(f"no such file or directory: {p}")
+        for name, (_, _, _, sniff) in _REGISTRY.items():
+            if sniff(p):
+                return name
+    known = {n: list(e[2]) for n, e in _REGISTRY.items()}
+    raise GadgetValueError(
+        f"cannot tell the format of {p!r}; expected one of {known} by extension or content, "
+        "or pass format=..."
+    )
+
+
+def _check_format(fmt: str) -> str:
+    if fmt not in _REGISTRY:
+        raise GadgetKeyError(f"Unknown format {fmt!r}; expected one of {sorted(_REGISTRY)}")
+    return fmt
+
+
+def open_source(path: str | os.PathLike[str], *, format: str | None = None, dataset: str | None = None, **kwargs: Any) -> ArraySource:
+    """Open ``path`` for reading rows."""
+    fmt = _check_format(format) if format else guess_format(path)
+    if not os.path.exists(path):
+        raise GadgetFileNotFoundError(f"no such file or directory: {path}")
+    factory = _REGISTRY[fmt][0]
+    if dataset is not None:
+        kwargs["dataset"] = dataset
+    return factory(path, **kwargs)
+
+
+def open_sink(
+    path: str | os.PathLike[str],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    *,
+    format: str | None = None,
+    **kwargs: Any,
+) -> ArraySink:
+    """Start writing a ``shape`` / ``dtype`` array to ``path`` (atomically, on commit)."""
+    fmt = _check_format(format) if format else guess_format(Path(path), must_exist=False)
+    factory = _REGISTRY[fmt][1]
+    return factory(path, shape, dtype, **{k: v for k, v in kwargs.items() if v is not None})

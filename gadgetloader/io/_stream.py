@@ -1,0 +1,109 @@
+"""Streaming rows between a file and a store in bounded blocks, with a progress bar.
+
+Extra host RAM during a load or save is the staging size (two blocks), never the
+table's size: host-resident stores (``cpu``, ``pinned``) are read straight into
+their own memory; GPU stores go through two reusable pinned buffers, so the disk
+read of one block overlaps the GPU copy of the previous one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np  # noqa: F401
+import torch
+from tqdm.auto import tqdm
+
+from ._base import ArraySink, ArraySource
+
+if TYPE_CHECKING:
+    from ..stores import Store
+
+__all__ = ["STAGING_BYTES", "load_into", "progress_bar", "save_from", "blocks"]
+
+#: bytes per staging block for loads and saves
+STAGING_BYTES = 64 << 20
+#: transfers smaller than this show no progress bar unless asked
+QUIET_BELOW_BYTES = 256 << 20
+
+
+def progress_bar(total_bytes: int, desc: str, progress: bool | None) -> Any:
+    """A tqdm bar in bytes; ``progress=None`` shows one only for large transfers."""
+    disable = (not progress) if progress is not None else total_bytes < QUIET_BELOW_BYTES
+    return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=disable, leave=False)
+
+
+def blocks(num_rows: int, rows_per_block: int) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` pairs covering ``range(num_rows)``."""
+    rows_per_block = max(1, rows_per_block)
+    for start in range(0, num_rows, rows_per_block):
+        yield start, min(num_rows, start + rows_per_block)
+
+
+def _rows_per_block(row_nbytes: int, natural: int) -> int:
+    """A multiple of the natural chunk near :data:`STAGING_BYTES`."""
+    if row_nbytes == 0:
+        return max(1, natural)
+    target = max(1, STAGING_BYTES // row_nbytes)
+    if natural >= target:
+        return natural
+    return max(natural, (target // natural) * natural)
+
+
+def _numpy_view(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy()
+
+
+def load_into(source: ArraySource, store: Store, *, progress: bool | None = None) -> None:
+    """Copy every row of ``source`` into ``store`` (same shape and dtype)."""
+    rpb = _rows_per_block(source.row_nbytes, source.chunk_rows)
+    host = store.host_view()
+    bar = progress_bar(source.nbytes, f"load {source.path}", progress)
+    with bar:
+        if host is not None:
+            full = _numpy_view(host)
+            for start, stop in blocks(source.num_rows, rpb):
+                source.read_into(start, stop, full[start:stop])
+                bar.update((stop - start) * source.row_nbytes)
+            return
+        shape = (rpb, *source.shape[1:])
+        pinned = torch.cuda.is_available()
+        stages = [torch.empty(shape, dtype=source.dtype, pin_memory=pinned) for _ in range(2)]
+        events: list[Any] = [None, None]
+        for k, (start, stop) in enumerate(blocks(source.num_rows, rpb)):
+            i = k % 2
+            if events[i] is not None:
+                events[i].synchronize()  # the GPU has finished copying out of this buffer
+            stage = stages[i][: stop - start]
+            source.read_into(start, stop, _numpy_view(stage))
+            store.write_block(start, stage)
+            if pinned:
+                ev = torch.cuda.Event()
+                ev.record()
+                events[i] = ev
+            bar.update((stop - start) * source.row_nbytes)
+        store.synchronize()
+
+
+def save_from(store: Store, sink: ArraySink, *, chunk_rows: int | None = None, progress: bool | None = None, desc: str = "save") -> None:
+    """Stream every row of ``store`` into ``sink``, then commit it (abort on any error)."""
+    rpb = _rows_per_block(store.row_nbytes, chunk_rows or max(1, STAGING_BYTES // max(1, store.row_nbytes)))
+    bar = progress_bar(store.nbytes, desc, progress)
+    try:
+        with bar:
+            for start, stop in blocks(store.num_rows, rpb):
+                block = store.read_block(start, stop)
+                sink.write(start, _numpy_view(block.contiguous()))
+                bar.update((stop - start) * store.row_nbytes)
+        sink.commit()
+    except BaseException:
+        sink.abort()
+        raise
+
+
+def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize

@@ -1,0 +1,203 @@
+"""The store contract: one table, a first axis of rows, one placement.
+
+A store says where its bytes are through two capabilities:
+
+* :meth:`Store.device_view` -- a CUDA tensor over the whole table that GPU kernels
+  may read and write in place (``cuda`` and ``pinned``), or ``None``;
+* :meth:`Store.host_view` -- a CPU tensor over the whole table in host RAM
+  (``pinned`` and ``cpu``), or ``None``.
+
+Gather and scatter are written once, here, against those two views; a placement
+only allocates and frees memory. Stores that hold their rows elsewhere (files)
+override :meth:`gather`, :meth:`scatter`, :meth:`read_block` and
+:meth:`write_block`. Ids reaching a store are already checked int64 tensors.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from .._errors import GadgetClosedError, ReadOnlyError
+from .._ids import last_writer
+from ..transfer import _engine
+
+__all__ = ["Store"]
+
+
+class Store(abc.ABC):
+    """Abstract table of ``shape[0]`` rows of shape ``shape[1:]`` and one dtype."""
+
+    #: the placement name (``'cpu'``, ``'cuda'``, ``'pinned'``, ``'file'``)
+    placement: ClassVar[str]
+    #: whether :meth:`scatter` / :meth:`write_block` are allowed
+    supports_writes: ClassVar[bool] = True
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self._shape = tuple(int(s) for s in shape)
+        self._dtype = dtype
+        self._closed = False
+
+    # ---- facts ---------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def num_rows(self) -> int:
+        return self._shape[0]
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return self._shape[1:]
+
+    @property
+    def row_nbytes(self) -> int:
+        return math.prod(self.row_shape) * self._dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_rows * self.row_nbytes
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def cuda_device(self) -> torch.device | None:
+        """The CUDA device of :meth:`device_view`, or None."""
+        view = self.device_view()
+        return view.device if view is not None else None
+
+    # ---- capabilities (placements implement these) ---------------------------------------
+    def device_view(self) -> torch.Tensor | None:
+        """A CUDA tensor over the whole table, read and written in place, or None."""
+        return None
+
+    def host_view(self) -> torch.Tensor | None:
+        """A CPU tensor over the whole table in host RAM, or None."""
+        return None
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Drop this store's references to its memory."""
+
+    # ---- lifecycle -----------------------------------------------------------------
+    def close(self) -> None:
+        """Release the table's memory now. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._release()
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise GadgetClosedError(f"this {self.placement} store is closed")
+
+    def check_writable(self) -> None:
+        self.check_open()
+        if not self.supports_writes:
+            raise ReadOnlyError(f"this {self.placement} store is read-only")
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return f"<{type(self).__name__} {self.placement} shape={self._shape} dtype={self._dtype}{state}>"
+
+    # ---- row movement ------------------------------------------------------------------
+    def ids_device(self, out_device: torch.device) -> torch.device:
+        """Where ids should be for a gather delivered to ``out_device``."""
+        dv = self.device_view()
+        if out_device.type == "cuda" and dv is not None:
+            return dv.device
+        if self.host_view() is not None:
+            return torch.device("cpu")
+        return dv.device if dv is not None else torch.device("cpu")
+
+    def gather(
+        self,
+        ids: torch.Tensor,
+        device: torch.device,
+        out: torch.Tensor | None = None,
+        strategy: str = "auto",
+    ) -> torch.Tensor:
+        """Rows at ``ids`` (checked int64) as a tensor on ``device`` of shape ``ids.shape + row_shape``."""
+        self.check_open()
+        dv = self.device_view()
+        if device.type == "cuda" and dv is not None:
+            return _engine.gather(dv, ids.to(dv.device), out=out, strategy=strategy)
+        hv = self.host_view()
+        if hv is not None:
+            rows = torch.index_select(hv, 0, ids.reshape(-1).cpu())
+            rows = rows.view(*ids.shape, *self.row_shape)
+        else:
+            assert dv is not None
+            rows = _engine.gather(dv, ids.to(dv.device), strategy=strategy)
+        if out is not None:
+            out.copy_(rows)
+            return out
+        return rows.to(device)
+
+    def scatter(self, ids: torch.Tensor, rows: torch.Tensor, strategy: str = "auto") -> None:
+        """``table[ids] = rows``; a repeated id takes its *last* occurrence's row."""
+        self.check_writable()
+        dv = self.device_view()
+        hv = self.host_view()
+        if dv is not None and (rows.is_cuda or hv is None):
+            _engine.scatter(dv, ids.to(dv.device), rows.to(dv.device), strategy=strategy)
+            return
+        assert hv is not None
+        plan = last_writer(ids.reshape(-1).cpu())
+        sel = plan.keep.nonzero().squeeze(1)
+        src = rows.reshape(-1, *self.row_shape).cpu()
+        hv.index_copy_(0, plan.ids[sel], src[plan.pos[sel]])
+
+    def read_block(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` as a CPU tensor (a view where the table is in host RAM)."""
+        self.check_open()
+        hv = self.host_view()
+        if hv is not None:
+            return hv[start:stop]
+        dv = self.device_view()
+        assert dv is not None
+        return dv[start:stop].cpu()
+
+    def write_block(self, start: int, rows: torch.Tensor) -> None:
+        """Write contiguous rows from ``start`` (any device)."""
+        self.check_writable()
+        stop = start + rows.shape[0]
+        hv = self.host_view()
+        if hv is not None and not rows.is_cuda:
+            hv[start:stop].copy_(rows)
+            return
+        dv = self.device_view()
+        if dv is not None:
+            dv[start:stop].copy_(rows, non_blocking=rows.is_pinned())
+        else:
+            assert hv is not None
+            hv[start:stop].copy_(rows)
+
+    def apply_(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """Run an in-place torch initializer ``fn(tensor, *args, **kwargs)`` over the table.
+
+        Where a CUDA view exists the GPU fills the table in place (for ``pinned``,
+        straight into host RAM: no GPU-sized temporary); otherwise the CPU does.
+        """
+        self.check_writable()
+        view = self.device_view()
+        if view is None:
+            view = self.host_view()
+        assert view is not None
+        with torch.no_grad():
+            fn(view, *args, **kwargs)
+
+    def synchronize(self) -> None:
+        """Wait for GPU work on this store's device (not on the hot path)."""
+        dv = self.device_view()
+        if dv is not None:
+            torch.cuda.synchronize(dv.device)
