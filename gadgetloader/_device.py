@@ -56,7 +56,9 @@ def resolve_device(device: Any) -> torch.device:
             dev = torch.device("cuda", torch.cuda.current_device())
         return dev
     if dev.type != "cpu":
-        raise GadgetTypeError(f"unsupported device {str(dev)!r}; expected 'cuda', 'cuda:N' or 'cpu'")
+        raise GadgetTypeError(
+            f"unsupported device {str(dev)!r}; expected 'cuda', 'cuda:N' or 'cpu'"
+        )
     return dev
 
 
@@ -82,9 +84,7 @@ def resolve_placement(placement: str) -> str:
         For a name that is not a placement; the message lists the valid ones.
     """
     if not isinstance(placement, str) or placement.lower() not in PLACEMENTS:
-        raise GadgetKeyError(
-            f"Unknown placement {placement!r}; expected one of {list(PLACEMENTS)}"
-        )
+        raise GadgetKeyError(f"Unknown placement {placement!r}; expected one of {list(PLACEMENTS)}")
     placement = placement.lower()
     if placement in ("cuda", "pinned") and not cuda_available():
         warn_fallback(

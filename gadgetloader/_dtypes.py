@@ -27,9 +27,22 @@ _NUMPY_OF: dict[torch.dtype, np.dtype] = {
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(_NUMPY_OF)
 
-_BY_NAME: dict[str, torch.dtype] = {dtype_str: dt for dt in SUPPORTED_DTYPES for dtype_str in (str(dt).removeprefix("torch."),)}
-_BY_NAME.update({"float": torch.float32, "double": torch.float64, "half": torch.float16, "long": torch.int64, "int": torch.int32, "bool_": torch.bool})
-_TORCH_OF_NUMPY: dict[np.dtype, torch.dtype] = {v: k for k, v in _NUMPY_OF.items() if k is not torch.bfloat16}
+_BY_NAME: dict[str, torch.dtype] = {
+    dtype_str: dt for dt in SUPPORTED_DTYPES for dtype_str in (str(dt).removeprefix("torch."),)
+}
+_BY_NAME.update(
+    {
+        "float": torch.float32,
+        "double": torch.float64,
+        "half": torch.float16,
+        "long": torch.int64,
+        "int": torch.int32,
+        "bool_": torch.bool,
+    }
+)
+_TORCH_OF_NUMPY: dict[np.dtype, torch.dtype] = {
+    v: k for k, v in _NUMPY_OF.items() if k is not torch.bfloat16
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

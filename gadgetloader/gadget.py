@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from . import io as _io
-from ._device import resolve_device, resolve_placement
+from ._device import resolve_device
 from ._dtypes import as_torch_dtype, dtype_name, numpy_dtype
 from ._errors import GadgetTypeError, GadgetValueError
 from ._ids import as_ids
@@ -25,13 +25,19 @@ def as_tensor_data(data: Any, what: str = "data") -> torch.Tensor:
     """A torch tensor over ``data`` (tensor, NumPy or CuPy array) without copying where possible."""
     if isinstance(data, torch.Tensor):
         return data
+    if isinstance(data, np.generic):
+        data = np.asarray(data)
     if isinstance(data, np.ndarray):
         if data.dtype.hasobject or data.dtype.kind in "OSUVMmc":
-            raise GadgetTypeError(f"{what} has dtype {data.dtype}; expected a numeric or bool dtype")
+            raise GadgetTypeError(
+                f"{what} has dtype {data.dtype}, which is not supported for a table; expected a numeric or bool dtype"
+            )
         if data.dtype.name == "bfloat16":
-            return torch.from_numpy(np.ascontiguousarray(data).view(np.int16)).view(torch.bfloat16)
+            return torch.from_numpy(np.require(data, requirements="C").view(np.int16)).view(
+                torch.bfloat16
+            )
         as_torch_dtype(data.dtype)  # raises for unsupported dtypes
-        return torch.from_numpy(np.ascontiguousarray(data))
+        return torch.from_numpy(np.require(data, requirements="C"))
     if hasattr(data, "__cuda_array_interface__") or hasattr(data, "__dlpack__"):
         return torch.from_dlpack(data)
     raise GadgetTypeError(
@@ -40,8 +46,10 @@ def as_tensor_data(data: Any, what: str = "data") -> torch.Tensor:
 
 
 def _is_shape(obj: Any) -> bool:
-    return isinstance(obj, (tuple, list)) and len(obj) > 0 and all(
-        isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in obj
+    return (
+        isinstance(obj, (tuple, list))
+        and len(obj) > 0
+        and all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in obj)
     )
 
 
@@ -121,10 +129,14 @@ class DataGadget:
             shp = tuple(int(s) for s in (shape if shape is not None else fileName))
             if any(s < 0 for s in shp):
                 raise GadgetValueError(f"shape must be non-negative; got {shp}")
-            self._store: Store = empty_store(requested, shp, as_torch_dtype(dtype or "float32"), cuda_dev)
+            self._store: Store = empty_store(
+                requested, shp, as_torch_dtype(dtype or "float32"), cuda_dev
+            )
         elif isinstance(fileName, (str, os.PathLike)):
             self._source_path = os.fspath(fileName)
-            self._store = self._open_file(self._source_path, requested, dataset, format, progress, dtype, options)
+            self._store = self._open_file(
+                self._source_path, requested, dataset, format, progress, dtype, options
+            )
         else:
             data = as_tensor_data(fileName, "the source array")
             if data.dim() == 0:
@@ -138,21 +150,39 @@ class DataGadget:
                 self._store.synchronize()
 
     # ---- construction helpers --------------------------------------------------------
-    def _open_file(self, path: str, placement: str, dataset: str | None, fmt: str | None, progress: bool | None, dtype: Any, options: dict[str, Any]) -> Store:
+    def _open_file(
+        self,
+        path: str,
+        placement: str,
+        dataset: str | None,
+        fmt: str | None,
+        progress: bool | None,
+        dtype: Any,
+        options: dict[str, Any],
+    ) -> Store:
         source = _io.open_source(path, format=fmt, dataset=dataset)
         if dtype is not None and as_torch_dtype(dtype) != source.dtype:
             raise GadgetTypeError(
                 f"{path} holds {dtype_name(source.dtype)} but dtype={dtype!r} was requested"
             )
         if source.num_rows == 0:
-            raise GadgetValueError(f"{path} holds a table with zero rows {source.shape}; nothing to load")
+            raise GadgetValueError(
+                f"{path} holds a table with zero rows {source.shape}; nothing to load"
+            )
         if placement == "file":
             from .stores import file_store  # provided by the files module
 
             return file_store(source, **options)
         if options:
-            raise GadgetTypeError(f"unexpected options for an in-memory placement: {sorted(options)}")
-        store = empty_store(placement, source.shape, source.dtype, self._device if self._device.type == "cuda" else None)
+            raise GadgetTypeError(
+                f"unexpected options for an in-memory placement: {sorted(options)}"
+            )
+        store = empty_store(
+            placement,
+            source.shape,
+            source.dtype,
+            self._device if self._device.type == "cuda" else None,
+        )
         try:
             _io.load_into(source, store, progress=progress)
         except BaseException:
@@ -163,7 +193,9 @@ class DataGadget:
         return store
 
     @classmethod
-    def zeros(cls, shape: _Shape, dtype: Any = "float32", *, placement: str = "cuda", **kwargs: Any) -> DataGadget:
+    def zeros(
+        cls, shape: _Shape, dtype: Any = "float32", *, placement: str = "cuda", **kwargs: Any
+    ) -> DataGadget:
         """A zero-filled table."""
         return cls(shape=tuple(shape), dtype=dtype, placement=placement, **kwargs)
 
@@ -208,7 +240,9 @@ class DataGadget:
         )
 
     # ---- rows in and out -----------------------------------------------------------------
-    def getData(self, indexes: Any, *, device: Any = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def getData(
+        self, indexes: Any, *, device: Any = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The rows at ``indexes``, as a tensor on :attr:`device` (CUDA where available).
 
         Parameters
@@ -255,14 +289,20 @@ class DataGadget:
                 f"convert it with .to({self.dtype})"
             )
         if data.device.type not in ("cpu", "cuda"):
-            raise GadgetTypeError(f"insertData expected data on the CPU or a CUDA device; got {data.device}")
+            raise GadgetTypeError(
+                f"insertData expected data on the CPU or a CUDA device; got {data.device}"
+            )
         cuda_dev = self._store.cuda_device
         if data.is_cuda and cuda_dev is not None and data.device != cuda_dev:
             raise GadgetTypeError(
                 f"insertData got data on {data.device} but this table is addressed from {cuda_dev}"
             )
         target = data.device if data.is_cuda else torch.device("cpu")
-        ids = as_ids(indexes, len(self), self._store.ids_device(target if cuda_dev is not None else torch.device("cpu")))
+        ids = as_ids(
+            indexes,
+            len(self),
+            self._store.ids_device(target if cuda_dev is not None else torch.device("cpu")),
+        )
         expected = (*ids.shape, *self.row_shape)
         if tuple(data.shape) != expected:
             raise GadgetValueError(
@@ -307,7 +347,10 @@ class DataGadget:
         host = self._store.host_view()
         if host is not None and not copy and self.dtype != torch.bfloat16:
             return host.numpy()
-        out = np.empty(self.shape, dtype=np.float32 if self.dtype == torch.bfloat16 else numpy_dtype(self.dtype))
+        out = np.empty(
+            self.shape,
+            dtype=np.float32 if self.dtype == torch.bfloat16 else numpy_dtype(self.dtype),
+        )
         self._store.synchronize()
         step = max(1, (64 << 20) // max(1, self._store.row_nbytes))
         for start in range(0, len(self), step):
@@ -334,14 +377,26 @@ class DataGadget:
     def fill_(self, value: float) -> DataGadget:
         return self.init_(torch.Tensor.fill_, value)
 
-    def uniform_(self, low: float = 0.0, high: float = 1.0, *, generator: torch.Generator | None = None) -> DataGadget:
+    def uniform_(
+        self, low: float = 0.0, high: float = 1.0, *, generator: torch.Generator | None = None
+    ) -> DataGadget:
         return self.init_(torch.Tensor.uniform_, low, high, generator=generator)
 
-    def normal_(self, mean: float = 0.0, std: float = 1.0, *, generator: torch.Generator | None = None) -> DataGadget:
+    def normal_(
+        self, mean: float = 0.0, std: float = 1.0, *, generator: torch.Generator | None = None
+    ) -> DataGadget:
         return self.init_(torch.Tensor.normal_, mean, std, generator=generator)
 
     # ---- files ---------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike[str], *, dataset: str | None = None, format: str | None = None, progress: bool | None = None, **options: Any) -> None:
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        dataset: str | None = None,
+        format: str | None = None,
+        progress: bool | None = None,
+        **options: Any,
+    ) -> None:
         """Write the table to ``path`` (format from the extension), streaming block by
         block with no full-size temporary, atomically: an error part-way leaves any
         previous file at ``path`` intact."""
@@ -365,9 +420,24 @@ class DataGadget:
         """
         self.load(loadFileName, format="npy")
 
-    def load(self, path: str | os.PathLike[str], *, dataset: str | None = None, format: str | None = None, progress: bool | None = None) -> None:
+    def load(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        dataset: str | None = None,
+        format: str | None = None,
+        progress: bool | None = None,
+    ) -> None:
         """Replace the table with a file's contents, keeping the placement."""
-        new = self._open_file(os.fspath(path), self.placement if self.placement != "file" else self._placement_requested, dataset, format, progress, None, {})
+        new = self._open_file(
+            os.fspath(path),
+            self.placement if self.placement != "file" else self._placement_requested,
+            dataset,
+            format,
+            progress,
+            None,
+            {},
+        )
         old, self._store = self._store, new
         old.close()
 
@@ -381,5 +451,3 @@ class DataGadget:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-

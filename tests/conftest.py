@@ -13,7 +13,9 @@ from gadgetloader._device import _reset_fallback_warnings, cupy_available
 
 HAS_CUDA = torch.cuda.is_available()
 NEEDS_GPU = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device on this machine")
-NEEDS_CUPY = pytest.mark.skipif(not (HAS_CUDA and cupy_available()), reason="needs a CUDA device and CuPy")
+NEEDS_CUPY = pytest.mark.skipif(
+    not (HAS_CUDA and cupy_available()), reason="needs a CUDA device and CuPy"
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -34,10 +34,7 @@ def remove_path(path: str | os.PathLike[str]) -> None:
     if p.is_dir() and not p.is_symlink():
         shutil.rmtree(p, ignore_errors=True)
     else:
-        try:
-            p.unlink()
-        except FileNotFoundError:
-            pass
+        p.unlink(missing_ok=True)
 
 
 def replace_atomically(tmp: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:

@@ -63,7 +63,7 @@ class ArraySource(abc.ABC):
         """Write rows back to the file (only where :attr:`supports_writes`)."""
         raise NotImplementedError
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, most sources hold no handle
         """Release file handles (reopened lazily if used again)."""
 
     def __enter__(self) -> ArraySource:

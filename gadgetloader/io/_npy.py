@@ -61,10 +61,14 @@ class NpySource(ArraySource):
     format = "npy"
     supports_writes = True
 
-    def __init__(self, path: str | os.PathLike[str], *, mode: str = "r", dataset: str | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, mode: str = "r", dataset: str | None = None
+    ) -> None:
         self.path = str(path)
         if dataset is not None:
-            raise GadgetValueError(f"{self.path}: a .npy file holds one array; dataset={dataset!r} does not apply")
+            raise GadgetValueError(
+                f"{self.path}: a .npy file holds one array; dataset={dataset!r} does not apply"
+            )
         if not os.path.exists(self.path):
             raise GadgetFileNotFoundError(f"no such .npy file: {self.path}")
         if os.path.isdir(self.path):
@@ -113,7 +117,9 @@ class NpySource(ArraySource):
         while done < len(view):
             n = f.readinto(view[done:])
             if not n:
-                raise GadgetFileError(f"{self.path}: unexpected end of file (truncated while reading)")
+                raise GadgetFileError(
+                    f"{self.path}: unexpected end of file (truncated while reading)"
+                )
             done += n
 
     def write_rows(self, start: int, rows: np.ndarray) -> None:
@@ -139,7 +145,9 @@ class NpySink(ArraySink):
 
     format = "npy"
 
-    def __init__(self, path: str | os.PathLike[str], shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], shape: tuple[int, ...], dtype: torch.dtype
+    ) -> None:
         if dtype == torch.bfloat16:
             raise GadgetTypeError(
                 "NumPy has no bfloat16 dtype, so a bfloat16 table has no .npy form; save it to "
@@ -153,7 +161,11 @@ class NpySink(ArraySink):
         self._npd = numpy_dtype(dtype)
         self._tmp = temp_path_beside(self.path)
         self._f: BinaryIO | None = open(self._tmp, "wb")  # noqa: SIM115
-        header = {"descr": np.lib.format.dtype_to_descr(self._npd), "fortran_order": False, "shape": self.shape}
+        header = {
+            "descr": np.lib.format.dtype_to_descr(self._npd),
+            "fortran_order": False,
+            "shape": self.shape,
+        }
         try:
             np.lib.format.write_array_header_1_0(self._f, header)
         except ValueError:

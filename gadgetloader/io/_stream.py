@@ -32,7 +32,15 @@ QUIET_BELOW_BYTES = 256 << 20
 def progress_bar(total_bytes: int, desc: str, progress: bool | None) -> Any:
     """A tqdm bar in bytes; ``progress=None`` shows one only for large transfers."""
     disable = (not progress) if progress is not None else total_bytes < QUIET_BELOW_BYTES
-    return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=disable, leave=False)
+    return tqdm(
+        total=total_bytes,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=disable,
+        leave=False,
+    )
 
 
 def blocks(num_rows: int, rows_per_block: int) -> Iterator[tuple[int, int]]:
@@ -89,9 +97,18 @@ def load_into(source: ArraySource, store: Store, *, progress: bool | None = None
         store.synchronize()
 
 
-def save_from(store: Store, sink: ArraySink, *, chunk_rows: int | None = None, progress: bool | None = None, desc: str = "save") -> None:
+def save_from(
+    store: Store,
+    sink: ArraySink,
+    *,
+    chunk_rows: int | None = None,
+    progress: bool | None = None,
+    desc: str = "save",
+) -> None:
     """Stream every row of ``store`` into ``sink``, then commit it (abort on any error)."""
-    rpb = _rows_per_block(store.row_nbytes, chunk_rows or max(1, STAGING_BYTES // max(1, store.row_nbytes)))
+    rpb = _rows_per_block(
+        store.row_nbytes, chunk_rows or max(1, STAGING_BYTES // max(1, store.row_nbytes))
+    )
     bar = progress_bar(store.nbytes, desc, progress)
     try:
         with bar:

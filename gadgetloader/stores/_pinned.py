@@ -93,7 +93,9 @@ class _CudaArray:
         self._owner = owner
 
 
-def _torch_views(buf: HostBuffer, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _torch_views(
+    buf: HostBuffer, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     npd = np.dtype(np.int16) if dtype == torch.bfloat16 else numpy_dtype(dtype)
     host = torch.from_numpy(buf.array.view(npd).reshape(shape))
     if dtype == torch.bfloat16:
@@ -128,8 +130,10 @@ class PinnedStore(Store):
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None
     ) -> None:
         super().__init__(shape, dtype)
-        dev = device if device is not None and device.type == "cuda" else torch.device(
-            "cuda", torch.cuda.current_device()
+        dev = (
+            device
+            if device is not None and device.type == "cuda"
+            else torch.device("cuda", torch.cuda.current_device())
         )
         self._buf: HostBuffer | None = HostBuffer(self.nbytes)
         self._host, self._dev = _torch_views(self._buf, self.shape, dtype, dev)

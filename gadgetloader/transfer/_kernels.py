@@ -132,7 +132,7 @@ def vector_width(row_nbytes: int, *pointers: int) -> int:
     return 1
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _module(device_index: int) -> Any:
     cp = get_cupy("GPU gather/scatter kernels")
     with cp.cuda.Device(device_index):
@@ -141,7 +141,7 @@ def _module(device_index: int) -> Any:
     return mod
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _max_blocks(device_index: int) -> int:
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
     return sms * (2048 // BLOCK) * 2
@@ -181,8 +181,15 @@ def launch_gather(
         kern(
             (_grid(n * vpr, idx),),
             (BLOCK,),
-            (_ptr(table), np.int64(table.shape[0]), np.int64(vpr), _ptr(ids), _ptr(pos),
-             np.int64(n), _ptr(out)),
+            (
+                _ptr(table),
+                np.int64(table.shape[0]),
+                np.int64(vpr),
+                _ptr(ids),
+                _ptr(pos),
+                np.int64(n),
+                _ptr(out),
+            ),
         )
 
 
@@ -207,6 +214,14 @@ def launch_scatter(
         kern(
             (_grid(n * vpr, idx),),
             (BLOCK,),
-            (_ptr(table), np.int64(table.shape[0]), np.int64(vpr), _ptr(ids), _ptr(pos),
-             _ptr(keep), np.int64(n), _ptr(rows)),
+            (
+                _ptr(table),
+                np.int64(table.shape[0]),
+                np.int64(vpr),
+                _ptr(ids),
+                _ptr(pos),
+                _ptr(keep),
+                np.int64(n),
+                _ptr(rows),
+            ),
         )

@@ -1,0 +1,87 @@
+"""Shared benchmark machinery: timing with CUDA events, the memcpy ceiling, tables."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["Timing", "format_table", "measure_memcpy", "time_fn", "gbps"]
+
+
+class Timing(dict):  # type: ignore[type-arg]
+    """``{'ms': median, 'min_ms': ..., 'runs': n}``."""
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_fn(fn: Callable[[], Any], *, repeats: int = 20, warmup: int = 3) -> Timing:
+    """Median wall time of ``fn`` in ms; device work is bracketed by CUDA events
+    (or a synchronize and the host clock on the CPU). Host-side work inside ``fn``
+    that blocks is included, as a user would see it."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    times: list[float] = []
+    use_events = torch.cuda.is_available()
+    for _ in range(repeats):
+        if use_events:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return Timing(ms=statistics.median(times), min_ms=min(times), runs=len(times))
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    """GB/s (10^9 bytes per second)."""
+    return nbytes / (ms * 1e-3) / 1e9 if ms > 0 else float("inf")
+
+
+def measure_memcpy(nbytes: int = 1 << 30, *, repeats: int = 10) -> dict[str, float]:
+    """Pinned host<->device ``copy_`` bandwidth in GB/s (the link's practical limit).
+
+    Returns an empty dict where CUDA is missing.
+    """
+    if not torch.cuda.is_available():
+        return {}
+    n = max(1, nbytes // 4)
+    host = torch.empty(n, dtype=torch.float32, pin_memory=True)
+    host.uniform_()
+    dev = torch.empty(n, dtype=torch.float32, device="cuda")
+    h2d = time_fn(lambda: dev.copy_(host, non_blocking=True), repeats=repeats)
+    d2h = time_fn(lambda: host.copy_(dev, non_blocking=True), repeats=repeats)
+    return {
+        "bytes": n * 4,
+        "h2d_GBps": gbps(n * 4, h2d["ms"]),
+        "d2h_GBps": gbps(n * 4, d2h["ms"]),
+    }
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table (also valid GitHub markdown)."""
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def _fmt(c: Any) -> str:
+    if isinstance(c, float):
+        if c != c:  # NaN
+            return "-"
+        return f"{c:.3g}" if abs(c) < 100 else f"{c:.0f}"
+    return "-" if c is None else str(c)

@@ -1,0 +1,142 @@
+"""GPU-only behaviour of the pinned placement and the transfer engine."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import NEEDS_CUPY
+
+import gadgetloader as gl
+from gadgetloader.transfer import STRATEGIES, _kernels
+
+pytestmark = [pytest.mark.gpu, NEEDS_CUPY]
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def test_pinned_store_costs_its_own_size_in_host_ram() -> None:
+    gc.collect()
+    before = _rss()
+    g = gl.DataGadget((1 << 20, 64), dtype="float32", placement="pinned")  # 256 MiB
+    after = _rss()
+    assert g.placement == "pinned"
+    assert g.store.host_bytes <= 1.02 * g.nbytes
+    grown = after - before
+    assert 0.9 * g.nbytes <= grown <= 1.02 * g.nbytes + (16 << 20), grown / g.nbytes
+    g.close()
+    gc.collect()
+    assert _rss() < after - 0.8 * g.nbytes  # freed deterministically on close
+
+
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES])
+@pytest.mark.parametrize(
+    "width,dtype",
+    [
+        (128, torch.float32),
+        (3, torch.float16),
+        (8, torch.float64),
+        (5, torch.uint8),
+        (17, torch.bfloat16),
+    ],
+)
+def test_every_strategy_gives_identical_results(
+    strategy: str, width: int, dtype: torch.dtype
+) -> None:
+    rows = 5000
+    src = torch.randn(rows, width).to(dtype)
+    ids = torch.randint(0, rows, (4096,), device="cuda")
+    new = torch.randn(4096, width).to(dtype).cuda()
+    for placement in ("pinned", "cuda"):
+        g = gl.DataGadget(src, placement=placement, strategy=strategy)
+        assert torch.equal(g.getData(ids).cpu(), src[ids.cpu()])
+        g.insertData(new, ids)
+        ref = src.clone()
+        for i, r in enumerate(ids.cpu().tolist()):
+            ref[r] = new[i].cpu()
+        assert torch.equal(g.getData(torch.arange(rows)).cpu(), ref)
+
+
+def test_kernel_never_touches_rows_outside_the_table() -> None:
+    g = gl.DataGadget(torch.arange(40, dtype=torch.float32).reshape(10, 4), placement="pinned")
+    view = g.as_tensor()
+    ids = torch.tensor([1, 10, -1, 1 << 40, 3], device="cuda")  # bypasses the host-side check
+    out = torch.full((5, 4), -7.0, device="cuda")
+    _kernels.launch_gather(view, ids, out)
+    torch.cuda.synchronize()
+    got = out.cpu()
+    assert torch.equal(got[0], torch.arange(4, 8.0)) and torch.equal(got[4], torch.arange(12, 16.0))
+    assert got[1:4].eq(-7).all()  # out-of-range rows were skipped, not read
+    before = g.getNumpyVersion()
+    _kernels.launch_scatter(view, ids, torch.zeros(5, 4, device="cuda"))
+    torch.cuda.synchronize()
+    after = g.getNumpyVersion()
+    changed = np.nonzero((before != after).any(axis=1))[0].tolist()
+    assert changed == [1, 3]
+
+
+def test_work_is_ordered_on_the_current_stream() -> None:
+    g = gl.DataGadget((100_000, 64), dtype="float32", placement="pinned")
+    s = torch.cuda.Stream()
+    ids = torch.randint(0, 100_000, (65_536,), device="cuda")
+    with torch.cuda.stream(s):
+        vals = torch.randn(65_536, 64, device="cuda")
+        g.insertData(vals, ids)
+        out = g.getData(ids)
+    s.synchronize()
+    # every id's last occurrence wins; gathering the same ids back must agree with the table
+    table = g.getNumpyVersion()
+    np.testing.assert_array_equal(out.cpu().numpy(), table[ids.cpu().numpy()])
+
+
+def test_exit_without_close_is_silent() -> None:
+    code = (
+        "import gadgetloader as gl, torch\n"
+        "g = gl.DataGadget((1000, 8), placement='pinned')\n"
+        "h = gl.DataGadget((1000, 8), placement='pinned')\n"
+        "v = g.as_tensor()\n"
+        "g.insertData(torch.ones(2, 8, device='cuda'), [0, 1])\n"
+        "print(float(g.getData([0]).sum()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "8.0"
+    assert "Error" not in out.stderr and "Exception" not in out.stderr
+
+
+def test_view_outlives_close_safely() -> None:
+    g = gl.DataGadget(torch.ones(100, 4), placement="pinned")
+    view = g.as_tensor()
+    g.close()
+    assert float(view.sum()) == 400.0  # memory stays registered while a view exists
+    del view
+    gc.collect()
+
+
+def test_getdata_accepts_cupy_ids_and_insert_cupy_data() -> None:
+    import cupy
+
+    src = torch.randn(50, 6)
+    g = gl.DataGadget(src, placement="pinned")
+    ids = cupy.asarray([3, 1, 3])
+    assert torch.equal(g.getData(ids).cpu(), src[[3, 1, 3]])
+    g.insertData(cupy.zeros((2, 6), dtype=cupy.float32), cupy.asarray([0, 49]))
+    assert float(g.getData([0, 49]).abs().sum()) == 0.0
+
+
+def test_wrong_cuda_device_data_is_refused_when_several_gpus() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    g = gl.DataGadget((10, 2), placement="pinned")
+    with pytest.raises(gl.GadgetTypeError):
+        g.insertData(torch.ones(1, 2, device="cuda:1"), [0])
