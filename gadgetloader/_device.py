@@ -124,12 +124,32 @@ def get_cupy(feature: str) -> ModuleType:
 _streams: dict[int, Any] = {}
 
 
+class _StreamHandle:
+    """A raw CUDA stream handle in the CUDA stream protocol (``__cuda_stream__``)."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
 def cupy_stream(device: torch.device) -> Any:
     """A CuPy view of torch's current stream on ``device`` (cached per stream)."""
     cp = get_cupy("GPU kernels")
     handle = torch.cuda.current_stream(device).cuda_stream
     stream = _streams.get(handle)
     if stream is None:
-        stream = cp.cuda.ExternalStream(handle, device.index if device.index is not None else 0)
+        stream = None
+        from_external = getattr(cp.cuda.Stream, "from_external", None)
+        if from_external is not None:  # CuPy >= 14: the CUDA stream protocol
+            try:
+                stream = from_external(_StreamHandle(handle))
+            except Exception:
+                stream = None
+        if stream is None:  # CuPy 13 (deprecated from CuPy 14 on, hence the filter)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                stream = cp.cuda.ExternalStream(handle, device.index if device.index is not None else 0)
         _streams[handle] = stream
     return stream

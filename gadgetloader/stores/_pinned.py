@@ -44,6 +44,16 @@ def _unregister(ptr: int) -> None:
         pass
 
 
+def _device_pointer(cp: Any, host_ptr: int) -> int:
+    """The GPU-side address of registered host memory (equal to ``host_ptr`` under UVA)."""
+    try:
+        attrs = cp.cuda.runtime.pointerGetAttributes(host_ptr)
+        ptr = int(attrs.devicePointer)
+    except Exception:  # very old CuPy: UVA makes the addresses identical
+        return host_ptr
+    return ptr or host_ptr
+
+
 class HostBuffer:
     """``nbytes`` of page-locked, GPU-mapped host memory.
 
@@ -72,7 +82,7 @@ class HostBuffer:
                     f"could not page-lock {self.nbytes} bytes of host RAM for a pinned table "
                     f"({exc}); check `ulimit -l` and free memory, or use placement='cpu'"
                 ) from exc
-            self.device_ptr = int(cp.cuda.runtime.hostGetDevicePointer(self.host_ptr, 0))
+            self.device_ptr = _device_pointer(cp, self.host_ptr)
             fin = weakref.finalize(self, _unregister, self.host_ptr)
             fin.atexit = False  # the OS reclaims it; CUDA may be gone at exit
             self._finalizer = fin
