@@ -82,10 +82,14 @@ def check_range(ids: torch.Tensor, num_rows: int) -> None:
         )
 
 
-def as_ids(indexes: Any, num_rows: int, device: torch.device | None = None) -> torch.Tensor:
+def as_ids(
+    indexes: Any, num_rows: int, device: torch.device | None = None, *, check: bool = True
+) -> torch.Tensor:
     """Convert ``indexes`` to a checked int64 tensor on ``device`` (default: where it is).
 
     The returned tensor keeps the shape of ``indexes`` (a Python int gives a 0-d tensor).
+    ``check=False`` skips the range check of CUDA ids (it costs one stream
+    synchronisation); the kernels still never touch memory outside a table.
 
     Raises
     ------
@@ -109,7 +113,8 @@ def as_ids(indexes: Any, num_rows: int, device: torch.device | None = None) -> t
         raise GadgetTypeError(f"ids are on {t.device} but this table is used from {device}")
     if t.dtype != torch.int64:
         t = t.to(torch.int64)
-    check_range(t, num_rows)
+    if check or not t.is_cuda:  # CPU ids are checked always: it costs no GPU synchronisation
+        check_range(t, num_rows)
     if device is not None and t.device != device:
         t = t.to(device, non_blocking=t.is_pinned() if t.device.type == "cpu" else False)
     return t

@@ -130,7 +130,7 @@ class Store(abc.ABC):
         self.check_open()
         dv = self.device_view()
         if device.type == "cuda" and dv is not None:
-            return _engine.gather(dv, ids.to(dv.device), out=out, strategy=strategy)
+            return _engine.gather(dv, ids, out=out, strategy=strategy, host=self.host_view())
         hv = self.host_view()
         if hv is not None:
             rows = torch.index_select(hv, 0, ids.reshape(-1).cpu())
@@ -149,7 +149,7 @@ class Store(abc.ABC):
         dv = self.device_view()
         hv = self.host_view()
         if dv is not None and (rows.is_cuda or hv is None):
-            _engine.scatter(dv, ids.to(dv.device), rows.to(dv.device), strategy=strategy)
+            _engine.scatter(dv, ids, rows.to(dv.device), strategy=strategy, host=hv)
             return
         assert hv is not None
         plan = last_writer(ids.reshape(-1).cpu())

@@ -56,10 +56,8 @@ __device__ __forceinline__ void gather_rows(
                 const long long j = k / vpr;
                 const long long c = k - j * vpr;
                 const long long r = ids[j];
-                if (r >= 0 && r < n_rows) {
-                    v[u] = src[r * vpr + c];
-                    dst[u] = (pos ? pos[j] : j) * vpr + c;
-                }
+                dst[u] = (pos ? pos[j] : j) * vpr + c;
+                v[u] = (r >= 0 && r < n_rows) ? src[r * vpr + c] : V();  // never read outside
             }
         }
 #pragma unroll
@@ -155,14 +153,22 @@ def _ptr(t: torch.Tensor | None) -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
 
 
-def _grid(total: int, device_index: int) -> int:
-    return max(1, min(-(-total // (BLOCK * UNROLL)), _max_blocks(device_index)))
+def _grid(total: int, device_index: int, unroll: int = UNROLL) -> int:
+    return max(1, min(-(-total // (BLOCK * unroll)), _max_blocks(device_index)))
 
 
 def launch_gather(
-    table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, pos: torch.Tensor | None = None
+    table: torch.Tensor,
+    ids: torch.Tensor,
+    out: torch.Tensor,
+    pos: torch.Tensor | None = None,
+    *,
+    unroll: int = UNROLL,
+    max_vector: int = 16,
 ) -> None:
     """``out[pos[j]] = table[ids[j]]`` (``out[j]`` when ``pos`` is None) for every ``j``.
+
+    An id outside the table yields a zero row (nothing outside the table is read).
 
     ``table`` is a CUDA-addressable tensor (GPU memory or a mapped host buffer),
     ``ids`` and ``pos`` int64 CUDA tensors, ``out`` a contiguous CUDA tensor. The
@@ -173,13 +179,13 @@ def launch_gather(
         return
     device = out.device
     row_nbytes = _row_nbytes(table)
-    w = vector_width(row_nbytes, table.data_ptr(), out.data_ptr())
+    w = min(max_vector, vector_width(row_nbytes, table.data_ptr(), out.data_ptr()))
     vpr = row_nbytes // w
     idx = device.index if device.index is not None else 0
-    kern = _module(idx).get_function(f"gl_gather_{w}")
+    kern = _module(idx, unroll).get_function(f"gl_gather_{w}")
     with get_cupy("GPU kernels").cuda.Device(idx), cupy_stream(device):
         kern(
-            (_grid(n * vpr, idx),),
+            (_grid(n * vpr, idx, unroll),),
             (BLOCK,),
             (
                 _ptr(table),
