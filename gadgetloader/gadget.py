@@ -241,7 +241,12 @@ class DataGadget:
 
     # ---- rows in and out -----------------------------------------------------------------
     def getData(
-        self, indexes: Any, *, device: Any = None, out: torch.Tensor | None = None
+        self,
+        indexes: Any,
+        *,
+        device: Any = None,
+        out: torch.Tensor | None = None,
+        check_ids: bool = True,
     ) -> torch.Tensor:
         """The rows at ``indexes``, as a tensor on :attr:`device` (CUDA where available).
 
