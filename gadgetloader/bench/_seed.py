@@ -129,6 +129,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for placement in ("pinned", "cuda"):
             g = DataGadget(host, placement=placement)
             keep.append(g)
+            if placement == "pinned":
+                cases.append(
+                    _Case(
+                        "gadgetloader pinned (CPU ids)",
+                        "gather",
+                        (lambda g=g: g.getData(ids_cpu, out=out_buf)),
+                        (lambda g=g: equal(g.getData(ids_cpu), ref_gather)),
+                    )
+                )
+                cases.append(
+                    _Case(
+                        "gadgetloader pinned (check_ids=False)",
+                        "gather",
+                        (lambda g=g: g.getData(ids, out=out_buf, check_ids=False)),
+                        (lambda g=g: equal(g.getData(ids, check_ids=False), ref_gather)),
+                    )
+                )
             cases.append(
                 _Case(
                     f"gadgetloader {placement}",

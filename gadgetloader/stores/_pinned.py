@@ -54,6 +54,32 @@ def _device_pointer(cp: Any, host_ptr: int) -> int:
     return ptr or host_ptr
 
 
+#: Linux's MAP_HUGETLB (2 MiB pages from the reserved pool, ``vm.nr_hugepages``)
+_MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)
+#: host page choices for a pinned table
+PAGE_KINDS = ("default", "thp", "hugetlb")
+
+
+def _map_anonymous(nbytes: int, pages: str) -> mmap.mmap:
+    if pages not in PAGE_KINDS:
+        raise GadgetValueError(f"Unknown pages {pages!r}; expected one of {list(PAGE_KINDS)}")
+    if pages == "hugetlb":
+        huge = 2 << 20
+        size = -(-nbytes // huge) * huge
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_HUGETLB
+        try:
+            return mmap.mmap(-1, size, flags=flags)
+        except OSError as exc:
+            raise MemoryError(
+                f"could not map {size} bytes of 2 MiB huge pages ({exc}); reserve them first, "
+                f"e.g. sysctl vm.nr_hugepages={size // huge}, or use pages='default'"
+            ) from exc
+    mm = mmap.mmap(-1, nbytes)
+    if pages == "thp" and hasattr(mmap, "MADV_HUGEPAGE"):
+        mm.madvise(mmap.MADV_HUGEPAGE)  # before the pages are touched (registration faults them in)
+    return mm
+
+
 class HostBuffer:
     """``nbytes`` of page-locked, GPU-mapped host memory.
 
@@ -65,9 +91,10 @@ class HostBuffer:
         The address GPU kernels use for the first byte.
     """
 
-    def __init__(self, nbytes: int, *, register: bool = True) -> None:
+    def __init__(self, nbytes: int, *, register: bool = True, pages: str = "default") -> None:
         self.nbytes = int(nbytes)
-        self._mm: mmap.mmap | None = mmap.mmap(-1, max(self.nbytes, 1))
+        self.pages = pages
+        self._mm: mmap.mmap | None = _map_anonymous(max(self.nbytes, 1), pages)
         self.array = np.frombuffer(self._mm, dtype=np.uint8, count=self.nbytes)
         self.host_ptr = int(self.array.ctypes.data) if self.nbytes else 0
         self.device_ptr = self.host_ptr
@@ -145,7 +172,7 @@ class PinnedStore(Store):
             if device is not None and device.type == "cuda"
             else torch.device("cuda", torch.cuda.current_device())
         )
-        self._buf: HostBuffer | None = HostBuffer(self.nbytes)
+        self._buf: HostBuffer | None = HostBuffer(self.nbytes, pages=pages)
         self._host, self._dev = _torch_views(self._buf, self.shape, dtype, dev)
 
     def host_view(self) -> torch.Tensor | None:

@@ -1,0 +1,222 @@
+"""``gadgetloader bench sweep``: gather/scatter GB/s against table size, row width and strategy.
+
+One pinned buffer of the largest size is allocated once; each table size is its
+first rows (the address range a kernel touches is what matters). Every method is
+checked against a CPU reference before it is timed, and the pinned memcpy
+ceiling for the same bytes is measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import torch
+
+from ._common import format_table, gbps, measure_memcpy, time_fn
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes-gb", default="0.5,4,16,64", help="table sizes in GB (capped by free RAM)")
+    p.add_argument("--widths", default="128", help="row widths in float32 elements (8 -> 32 B rows, 1024 -> 4 KB rows)")
+    p.add_argument("--ids", default="131072,1048576", help="ids per call")
+    p.add_argument("--strategies", default="kernel,sorted,hybrid,torch,staged,naive", help="methods to time")
+    p.add_argument("--hybrid-fractions", default="0.4", help="CPU shares to try for the hybrid strategy")
+    p.add_argument("--pages", default="default", help="host page kinds to try: default,thp,hugetlb")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--naive-max-ids", type=int, default=131072, help="skip naive torch above this many ids (slow)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw GB/s against table size per method")
+
+
+def _free_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info.get("MemAvailable", info.get("MemFree", 0))
+    except OSError:
+        return 8 << 30
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from ..stores._pinned import PinnedStore
+    from ..transfer import _engine
+
+    if not torch.cuda.is_available():
+        print("sweep: skipped -- it measures host<->GPU transfers and needs a CUDA device")
+        return {"benchmark": "sweep", "skipped": "no CUDA device", "results": []}
+    dev = torch.device("cuda")
+    sizes = sorted(float(s) for s in args.sizes_gb.split(","))
+    widths = [int(w) for w in args.widths.split(",")]
+    id_counts = [int(n) for n in args.ids.split(",")]
+    methods = [m.strip() for m in args.strategies.split(",")]
+    fractions = [float(f) for f in args.hybrid_fractions.split(",")]
+    cap = 0.45 * _free_ram()
+    skipped = [f"{s} GB (over 45% of free RAM)" for s in sizes if s * 1e9 > cap]
+    sizes = [s for s in sizes if s * 1e9 <= cap]
+    results: list[dict[str, Any]] = []
+    link_cache: dict[int, dict[str, float]] = {}
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for pages in args.pages.split(","):
+        max_bytes = int(max(sizes) * 1e9)
+        try:
+            store = PinnedStore((max_bytes // 4,), torch.float32, dev, pages=pages)
+        except MemoryError as exc:
+            skipped.append(f"pages={pages}: {exc}")
+            continue
+        flat_dev = store.device_view()
+        flat_host = store.host_view()
+        assert flat_dev is not None and flat_host is not None
+        flat_dev.uniform_(-1, 1)  # the GPU fills host RAM in place
+        torch.cuda.synchronize()
+        for size in sizes:
+            for width in widths:
+                rows = int(size * 1e9) // (4 * width)
+                table = flat_dev[: rows * width].view(rows, width)
+                host = flat_host[: rows * width].view(rows, width)
+                row_bytes = 4 * width
+                for n in id_counts:
+                    n = min(n, rows)
+                    ids_cpu = torch.randint(0, rows, (n,), generator=gen)
+                    ids = ids_cpu.to(dev)
+                    uniq = torch.unique(ids_cpu)
+                    uids_cpu = uniq[torch.randperm(uniq.numel(), generator=gen)]
+                    uids = uids_cpu.to(dev)
+                    nbytes = n * row_bytes
+                    if nbytes not in link_cache:
+                        link_cache[nbytes] = measure_memcpy(nbytes, repeats=args.repeats)
+                    link = link_cache[nbytes]
+                    ref = host[ids_cpu].to(dev)
+                    out = torch.empty_like(ref)
+                    new_rows = torch.rand(uids.numel(), width, device=dev)
+                    base = {"pages": pages, "table_GB": size, "width": width, "row_bytes": row_bytes, "ids": n}
+                    results.append({**base, "method": "memcpy", "kind": "gather", "GBps": link["h2d_GBps"]})
+                    results.append({**base, "method": "memcpy", "kind": "scatter", "GBps": link["d2h_GBps"]})
+                    for method in methods:
+                        variants = [(f"hybrid {f:.2f}", f) for f in fractions] if method == "hybrid" else [(method, None)]
+                        for name, frac in variants:
+                            if frac is not None:
+                                _engine.set_hybrid_fraction(frac)
+                            if method == "naive" and n > args.naive_max_ids:
+                                continue
+                            g_fn, s_fn = _methods(method, table, host, ids, ids_cpu, uids, uids_cpu, out, new_rows, dev)
+                            for kind, fn in (("gather", g_fn), ("scatter", s_fn)):
+                                entry = {**base, "method": name, "kind": kind}
+                                try:
+                                    if kind == "gather":
+                                        out.zero_()
+                                        got = fn()
+                                        torch.cuda.synchronize()
+                                        entry["check"] = "ok" if torch.equal(got, ref) else "WRONG"
+                                    else:
+                                        saved = host[uids_cpu].clone()
+                                        fn()
+                                        torch.cuda.synchronize()
+                                        ok = torch.equal(torch.index_select(table, 0, uids), new_rows)
+                                        entry["check"] = "ok" if ok else "WRONG"
+                                    if entry["check"] == "ok":
+                                        reps = 3 if method == "naive" else args.repeats
+                                        t = time_fn(fn, repeats=reps, warmup=1)
+                                        entry.update(ms=t["ms"], GBps=gbps(nbytes, t["ms"]))
+                                        entry["of_memcpy"] = entry["GBps"] / (link["h2d_GBps"] if kind == "gather" else link["d2h_GBps"])
+                                    if kind == "scatter":
+                                        host[uids_cpu] = saved  # restore for the next method's gather check
+                                        torch.cuda.synchronize()
+                                except Exception as exc:
+                                    entry["error"] = f"{type(exc).__name__}: {exc}"[:200]
+                                results.append(entry)
+                    _engine.set_hybrid_fraction(0.4)
+                    print(f"  done: pages={pages} {size} GB width {width} ids {n}", flush=True)
+        store.close()
+        del store, flat_dev, flat_host
+    report = {"benchmark": "sweep", "device": torch.cuda.get_device_name(), "cpu_threads": torch.get_num_threads(), "results": results, "skipped": skipped}
+    _print(report)
+    if getattr(args, "plot", None):
+        _plot(report, args.plot)
+    return report
+
+
+def _methods(method: str, table: torch.Tensor, host: torch.Tensor, ids: torch.Tensor, ids_cpu: torch.Tensor, uids: torch.Tensor, uids_cpu: torch.Tensor, out: torch.Tensor, new_rows: torch.Tensor, dev: torch.device) -> tuple[Any, Any]:
+    from ..transfer import _engine
+
+    if method in ("kernel", "sorted", "torch", "hybrid"):
+        gids = ids_cpu if method == "hybrid" else ids
+        return (
+            lambda: _engine.gather(table, gids, out=out, strategy=method, host=host),
+            lambda: _engine.scatter(table, uids, new_rows, strategy=method, host=host),
+        )
+    if method.startswith("kernel-"):  # kernel variants: kernel-u<unroll>, kernel-v<max vector bytes>
+        from ..transfer import _kernels
+
+        opt = {"u": "unroll", "v": "max_vector"}[method[7]]
+        kw = {opt: int(method[8:])}
+        return (
+            lambda: (_kernels.launch_gather(table, ids, out, **kw), out)[1],
+            lambda: _engine.scatter(table, uids, new_rows, strategy="kernel", host=host),
+        )
+    if method == "staged":
+        stage = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        stage_s = torch.empty(new_rows.shape, dtype=out.dtype, pin_memory=True)
+
+        def g() -> torch.Tensor:
+            torch.index_select(host, 0, ids_cpu, out=stage)
+            return out.copy_(stage, non_blocking=True)
+
+        def s() -> None:
+            stage_s.copy_(new_rows, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            host.index_copy_(0, uids_cpu, stage_s)
+
+        return g, s
+    if method == "naive":
+
+        def ng() -> torch.Tensor:
+            return host[ids_cpu].to(dev)
+
+        def ns() -> None:
+            host[uids_cpu] = new_rows.cpu()
+
+        return ng, ns
+    raise ValueError(f"unknown method {method!r}")
+
+
+def _print(report: dict[str, Any]) -> None:
+    rows = [
+        [r["pages"], r["table_GB"], r["row_bytes"], r["ids"], r["kind"], r["method"], r.get("GBps"), r.get("of_memcpy"), r.get("check", r.get("error", ""))]
+        for r in report["results"]
+    ]
+    print(f"sweep on {report['device']} ({report['cpu_threads']} CPU threads)")
+    print(format_table(["pages", "table GB", "row B", "ids", "kind", "method", "GB/s", "of memcpy", "check"], rows))
+    for s in report["skipped"]:
+        print(f"skipped: {s}")
+
+
+def _plot(report: dict[str, Any], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot: matplotlib is not installed (pip install 'gadgetloader[plot]')")
+        return
+    res = [r for r in report["results"] if "GBps" in r]
+    panels = sorted({(r["kind"], r["ids"], r["row_bytes"]) for r in res})
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4), squeeze=False)
+    for ax, (kind, n, rb) in zip(axes[0], panels, strict=False):
+        sel = [r for r in res if (r["kind"], r["ids"], r["row_bytes"]) == (kind, n, rb)]
+        for label in sorted({(r["method"], r["pages"]) for r in sel}):
+            pts = sorted((r["table_GB"], r["GBps"]) for r in sel if (r["method"], r["pages"]) == label)
+            name = label[0] if label[1] == "default" else f"{label[0]} [{label[1]}]"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, linestyle="--" if label[0] == "memcpy" else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("table size (GB)")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"{kind}, {n} ids, {rb} B rows")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {os.path.abspath(path)}")
