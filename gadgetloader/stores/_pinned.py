@@ -164,7 +164,12 @@ class PinnedStore(Store):
     placement = "pinned"
 
     def __init__(
-        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+        *,
+        pages: str = "default",
     ) -> None:
         super().__init__(shape, dtype)
         dev = (

@@ -131,10 +131,10 @@ def vector_width(row_nbytes: int, *pointers: int) -> int:
 
 
 @functools.cache
-def _module(device_index: int) -> Any:
+def _module(device_index: int, unroll: int = UNROLL) -> Any:
     cp = get_cupy("GPU gather/scatter kernels")
     with cp.cuda.Device(device_index):
-        mod = cp.RawModule(code=_SOURCE, options=("-std=c++14", f"-DUNROLL={UNROLL}"))
+        mod = cp.RawModule(code=_SOURCE, options=("-std=c++14", f"-DUNROLL={unroll}"))
         mod.compile()
     return mod
 
