@@ -8,6 +8,7 @@ read or written, so a bad id never reaches a kernel and never half-updates a tab
 
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -116,8 +117,41 @@ def as_ids(
     if check or not t.is_cuda:  # CPU ids are checked always: it costs no GPU synchronisation
         check_range(t, num_rows)
     if device is not None and t.device != device:
-        t = t.to(device, non_blocking=t.is_pinned() if t.device.type == "cpu" else False)
+        t = _upload(t, device) if device.type == "cuda" else t.to(device)
     return t
+
+
+class _UploadRing(threading.local):
+    """Two reusable pinned buffers per thread for copying CPU ids to the GPU
+    without a synchronising pageable copy."""
+
+    def __init__(self) -> None:
+        self.bufs: list[torch.Tensor | None] = [None, None]
+        self.events: list[Any] = [None, None]
+        self.turn = 0
+
+
+_ring = _UploadRing()
+
+
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.is_pinned() or t.numel() == 0:
+        return t.to(device, non_blocking=True)
+    i = _ring.turn
+    _ring.turn ^= 1
+    if _ring.events[i] is not None:
+        _ring.events[i].synchronize()  # the copy that last used this buffer has finished
+    buf = _ring.bufs[i]
+    if buf is None or buf.numel() < t.numel():
+        buf = torch.empty(max(t.numel(), 1 << 16), dtype=torch.int64, pin_memory=True)
+        _ring.bufs[i] = buf
+    staged = buf[: t.numel()].view(t.shape)
+    staged.copy_(t)
+    out = staged.to(device, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    _ring.events[i] = ev
+    return out
 
 
 class LastWriter(NamedTuple):

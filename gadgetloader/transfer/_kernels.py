@@ -32,7 +32,10 @@ from .._device import cupy_stream, get_cupy
 
 __all__ = ["launch_gather", "launch_scatter", "vector_width"]
 
-UNROLL = 4
+#: independent row vectors each thread loads before storing. The H200 sweep (DESIGN.md)
+#: measured 1, 4 and 8 within noise of each other: the link, not the issue rate, limits.
+UNROLL = 1
+SCATTER_UNROLL = 4
 BLOCK = 256
 
 _SOURCE = r"""
@@ -157,6 +160,18 @@ def _grid(total: int, device_index: int, unroll: int = UNROLL) -> int:
     return max(1, min(-(-total // (BLOCK * unroll)), _max_blocks(device_index)))
 
 
+_functions: dict[tuple[int, int, str], Any] = {}
+
+
+def _function(device_index: int, unroll: int, name: str) -> Any:
+    key = (device_index, unroll, name)
+    fn = _functions.get(key)
+    if fn is None:
+        fn = _module(device_index, unroll).get_function(name)
+        _functions[key] = fn
+    return fn
+
+
 def launch_gather(
     table: torch.Tensor,
     ids: torch.Tensor,
@@ -182,7 +197,7 @@ def launch_gather(
     w = min(max_vector, vector_width(row_nbytes, table.data_ptr(), out.data_ptr()))
     vpr = row_nbytes // w
     idx = device.index if device.index is not None else 0
-    kern = _module(idx, unroll).get_function(f"gl_gather_{w}")
+    kern = _function(idx, unroll, f"gl_gather_{w}")
     with get_cupy("GPU kernels").cuda.Device(idx), cupy_stream(device):
         kern(
             (_grid(n * vpr, idx, unroll),),
@@ -215,10 +230,10 @@ def launch_scatter(
     w = vector_width(row_nbytes, table.data_ptr(), rows.data_ptr())
     vpr = row_nbytes // w
     idx = device.index if device.index is not None else 0
-    kern = _module(idx).get_function(f"gl_scatter_{w}")
+    kern = _function(idx, SCATTER_UNROLL, f"gl_scatter_{w}")
     with get_cupy("GPU kernels").cuda.Device(idx), cupy_stream(device):
         kern(
-            (_grid(n * vpr, idx),),
+            (_grid(n * vpr, idx, SCATTER_UNROLL),),
             (BLOCK,),
             (
                 _ptr(table),
