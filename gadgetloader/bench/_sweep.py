@@ -23,8 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes-gb", default="0.5,4,16,64", help="table sizes in GB (capped by free RAM)")
     p.add_argument("--widths", default="128", help="row widths in float32 elements (8 -> 32 B rows, 1024 -> 4 KB rows)")
     p.add_argument("--ids", default="131072,1048576", help="ids per call")
-    p.add_argument("--strategies", default="kernel,sorted,hybrid,torch,staged,naive", help="methods to time")
-    p.add_argument("--hybrid-fractions", default="0.4", help="CPU shares to try for the hybrid strategy")
+    p.add_argument("--strategies", default="auto,kernel,sorted,hybrid,torch,staged,naive", help="methods to time")
+    p.add_argument("--hybrid-fractions", default="0.6", help="CPU shares to try for the hybrid strategy")
     p.add_argument("--pages", default="default", help="host page kinds to try: default,thp,hugetlb")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--naive-max-ids", type=int, default=131072, help="skip naive torch above this many ids (slow)")
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 except Exception as exc:
                                     entry["error"] = f"{type(exc).__name__}: {exc}"[:200]
                                 results.append(entry)
-                    _engine.set_hybrid_fraction(0.4)
+                    _engine.set_hybrid_fraction(0.6)
                     print(f"  done: pages={pages} {size} GB width {width} ids {n}", flush=True)
         store.close()
         del store, flat_dev, flat_host
@@ -143,8 +143,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _methods(method: str, table: torch.Tensor, host: torch.Tensor, ids: torch.Tensor, ids_cpu: torch.Tensor, uids: torch.Tensor, uids_cpu: torch.Tensor, out: torch.Tensor, new_rows: torch.Tensor, dev: torch.device) -> tuple[Any, Any]:
     from ..transfer import _engine
 
-    if method in ("kernel", "sorted", "torch", "hybrid"):
-        gids = ids_cpu if method == "hybrid" else ids
+    if method in ("auto", "kernel", "sorted", "torch", "hybrid"):
+        gids = ids_cpu if method in ("hybrid", "auto") else ids
         return (
             lambda: _engine.gather(table, gids, out=out, strategy=method, host=host),
             lambda: _engine.scatter(table, uids, new_rows, strategy=method, host=host),

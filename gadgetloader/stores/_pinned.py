@@ -17,6 +17,7 @@ never at interpreter exit.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import weakref
 from typing import Any
@@ -57,7 +58,7 @@ def _device_pointer(cp: Any, host_ptr: int) -> int:
 #: Linux's MAP_HUGETLB (2 MiB pages from the reserved pool, ``vm.nr_hugepages``)
 _MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)
 #: host page choices for a pinned table
-PAGE_KINDS = ("default", "thp", "hugetlb")
+PAGE_KINDS = ("default", "thp", "hugetlb", "cudahost")
 
 
 def _map_anonymous(nbytes: int, pages: str) -> mmap.mmap:
@@ -94,11 +95,14 @@ class HostBuffer:
     def __init__(self, nbytes: int, *, register: bool = True, pages: str = "default") -> None:
         self.nbytes = int(nbytes)
         self.pages = pages
+        self._finalizer: weakref.finalize | None = None
+        if pages == "cudahost" and register and self.nbytes:
+            self._init_cuda_host_alloc()
+            return
         self._mm: mmap.mmap | None = _map_anonymous(max(self.nbytes, 1), pages)
         self.array = np.frombuffer(self._mm, dtype=np.uint8, count=self.nbytes)
         self.host_ptr = int(self.array.ctypes.data) if self.nbytes else 0
         self.device_ptr = self.host_ptr
-        self._finalizer: weakref.finalize | None = None
         if register and self.nbytes:
             cp = get_cupy("the pinned placement")
             flags = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
@@ -113,6 +117,28 @@ class HostBuffer:
             fin = weakref.finalize(self, _unregister, self.host_ptr)
             fin.atexit = False  # the OS reclaims it; CUDA may be gone at exit
             self._finalizer = fin
+
+
+    def _init_cuda_host_alloc(self) -> None:
+        """Let the CUDA driver allocate the pinned memory (``cudaHostAlloc``)."""
+        cp = get_cupy("the pinned placement")
+        ptr = int(cp.cuda.runtime.hostAlloc(self.nbytes, _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED))
+        self._mm = None
+        self.array = np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(ptr))
+        self.host_ptr = ptr
+        self.device_ptr = _device_pointer(cp, ptr)
+        fin = weakref.finalize(self, _free_host, ptr)
+        fin.atexit = False
+        self._finalizer = fin
+
+
+def _free_host(ptr: int) -> None:
+    cp = get_cupy("pinned memory")
+    try:
+        cp.cuda.runtime.deviceSynchronize()
+        cp.cuda.runtime.freeHost(ptr)
+    except Exception:  # pragma: no cover
+        pass
 
 
 class _CudaArray:

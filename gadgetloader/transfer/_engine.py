@@ -33,8 +33,12 @@ STRATEGIES: tuple[str, ...] = ("auto", "kernel", "sorted", "hybrid", "torch")
 #: address translation unless the ids are sorted (PERF.md: falls off past ~2 GB)
 SORT_ABOVE_BYTES = 1 << 31
 
-#: share of the rows the CPU moves in the ``hybrid`` strategy
-_hybrid = {"fraction": 0.4}
+#: above this many table bytes per requested id (ids sparser than one per this many bytes)
+#: the GPU's address translation limits even a sorted gather, and CPU threads take a share
+HYBRID_GAP_BYTES = 48 << 10
+
+#: share of the rows the CPU moves in the ``hybrid`` strategy (the H200 sweep balanced at ~0.6)
+_hybrid = {"fraction": 0.6}
 
 
 def set_hybrid_fraction(fraction: float) -> None:
@@ -45,21 +49,35 @@ def set_hybrid_fraction(fraction: float) -> None:
 
 
 def resolve_strategy(
-    strategy: str, table: torch.Tensor, n_ids: int, host: torch.Tensor | None = None
+    strategy: str,
+    table: torch.Tensor,
+    n_ids: int,
+    host: torch.Tensor | None = None,
+    *,
+    kind: str = "gather",
 ) -> str:
-    """Turn ``auto`` into a concrete strategy for one call; validate names."""
+    """Turn ``auto`` into a concrete strategy for one call; validate names.
+
+    ``auto`` (measured on an H200, see DESIGN.md): tables up to 2 GB or requests of
+    up to 1024 ids -> ``kernel``; larger tables -> ``sorted`` while the ids are dense
+    enough (at most :data:`HYBRID_GAP_BYTES` of table per id), else ``hybrid`` where
+    the table has a host view. Scatters always sort (that is how repeats are
+    merged), so ``auto`` scatters with ``kernel``.
+    """
     if strategy not in STRATEGIES:
         raise GadgetKeyError(f"Unknown strategy {strategy!r}; expected one of {list(STRATEGIES)}")
+    if not cupy_available() and strategy != "torch":
+        return "torch"
     if strategy == "hybrid" and host is None:
-        return "sorted" if cupy_available() else "torch"
+        return "sorted"
     if strategy != "auto":
         return strategy
-    if not cupy_available():
-        return "torch"
     nbytes = table.numel() * table.element_size()
-    if nbytes > SORT_ABOVE_BYTES and n_ids > 1024:
+    if kind == "scatter" or nbytes <= SORT_ABOVE_BYTES or n_ids <= 1024:
+        return "kernel"
+    if host is None or nbytes / n_ids <= HYBRID_GAP_BYTES:
         return "sorted"
-    return "kernel"
+    return "hybrid"
 
 
 class _Staging(threading.local):
@@ -179,7 +197,7 @@ def scatter(
     src = rows.reshape(n, *table.shape[1:])
     if not src.is_contiguous():
         src = src.contiguous()
-    how = resolve_strategy(strategy, table, n, host)
+    how = resolve_strategy(strategy, table, n, host, kind="scatter")
     plan = last_writer(flat)
     if how == "torch":
         sel = plan.keep.nonzero().squeeze(1)

@@ -1,0 +1,45 @@
+"""The transfer engine's automatic strategy choice and its validation (CPU-checkable parts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gadgetloader as gl
+from gadgetloader.transfer import _engine
+
+
+@pytest.fixture
+def with_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_engine, "cupy_available", lambda: True)
+
+
+def _table(nbytes: int) -> torch.Tensor:
+    # a meta tensor has a size but no memory: the policy only looks at sizes
+    return torch.empty((nbytes // 512, 128), dtype=torch.float32, device="meta")
+
+
+def test_auto_policy(with_cupy: None) -> None:
+    host = torch.empty(1)
+    small, big = _table(512 << 20), _table(64 << 30)
+    assert _engine.resolve_strategy("auto", small, 131072, host) == "kernel"
+    assert _engine.resolve_strategy("auto", big, 100, host) == "kernel"
+    assert _engine.resolve_strategy("auto", _table(16 << 30), 1 << 20, host) == "sorted"  # 16 KB per id
+    assert _engine.resolve_strategy("auto", big, 131072, host) == "hybrid"  # 512 KB per id
+    assert _engine.resolve_strategy("auto", big, 131072, None) == "sorted"  # no host view: GPU only
+    assert _engine.resolve_strategy("auto", big, 131072, host, kind="scatter") == "kernel"
+    assert _engine.resolve_strategy("hybrid", big, 131072, None) == "sorted"
+    assert _engine.resolve_strategy("torch", big, 131072, host) == "torch"
+
+
+def test_without_cupy_everything_uses_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_engine, "cupy_available", lambda: False)
+    for s in ("auto", "kernel", "sorted", "hybrid", "torch"):
+        assert _engine.resolve_strategy(s, _table(1 << 30), 10) == "torch"
+
+
+def test_unknown_strategy_lists_valid_ones() -> None:
+    with pytest.raises(gl.GadgetKeyError, match=r"Unknown strategy 'fast'; expected one of \['auto'"):
+        _engine.resolve_strategy("fast", _table(1 << 20), 10)
+    with pytest.raises(gl.GadgetValueError):
+        _engine.set_hybrid_fraction(1.5)
