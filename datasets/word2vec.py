@@ -1,0 +1,287 @@
+"""word2vec skip-gram with negative sampling, tables and Adam state off the GPU.
+
+Both embedding tables (input ``u`` and output ``v``) and their Adam moments live in
+pinned host RAM (``--placement pinned``; plain RAM on a machine without CUDA); each
+step pages only the batch's distinct rows to the GPU and back, so the vocabulary
+can be far larger than GPU memory. The training loop is plain PyTorch:
+forward, backward, ``optimizer.step()``.
+
+Usage::
+
+    python -m datasets.word2vec corpus.txt --dim 128 --epochs 1 --out vectors
+
+writes ``vectors.npy`` (the input embeddings, one row per word) and
+``vectors.vocab.txt`` (the words in row order, with counts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F  # noqa: N812 (the torch idiom)
+from torch import nn
+from tqdm.auto import tqdm
+
+import gadgetloader as gl
+
+__all__ = ["SkipGram", "Vocab", "Word2VecResult", "build_vocab", "main", "skipgram_pairs", "train"]
+
+
+@dataclass
+class Vocab:
+    """Words by id (most frequent first) and their counts."""
+
+    words: list[str]
+    counts: np.ndarray
+    index: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.index:
+            self.index = {w: i for i, w in enumerate(self.words)}
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+
+def _tokens(path: str | os.PathLike[str]) -> Iterator[str]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            yield from line.lower().split()
+
+
+def build_vocab(path: str | os.PathLike[str], min_count: int = 1) -> tuple[Vocab, np.ndarray]:
+    """Read a whitespace-tokenised text file: the vocabulary and the corpus as word ids
+    (words rarer than ``min_count`` dropped)."""
+    counts = collections.Counter(_tokens(path))
+    kept = [(w, c) for w, c in counts.most_common() if c >= min_count]
+    if not kept:
+        raise ValueError(f"{os.fspath(path)}: no word occurs at least {min_count} times")
+    vocab = Vocab([w for w, _ in kept], np.array([c for _, c in kept], dtype=np.int64))
+    ids = np.fromiter((vocab.index.get(t, -1) for t in _tokens(path)), dtype=np.int64)
+    return vocab, ids[ids >= 0]
+
+
+def skipgram_pairs(
+    ids: np.ndarray, window: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """(center, context) pairs with word2vec's dynamic window (each center draws a
+    window size in ``1..window``), vectorised over the corpus."""
+    n = ids.shape[0]
+    reach = rng.integers(1, window + 1, size=n)
+    centers, contexts = [], []
+    for d in range(1, window + 1):
+        if d >= n:
+            break
+        ok_fwd = reach[: n - d] >= d  # center i, context i + d
+        centers.append(ids[: n - d][ok_fwd])
+        contexts.append(ids[d:][ok_fwd])
+        ok_bwd = reach[d:] >= d  # center i, context i - d
+        centers.append(ids[d:][ok_bwd])
+        contexts.append(ids[: n - d][ok_bwd])
+    if not centers:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    return np.concatenate(centers), np.concatenate(contexts)
+
+
+class SkipGram(nn.Module):
+    """Input and output embeddings in stores; SGNS loss."""
+
+    def __init__(self, vocab_size: int, dim: int, placement: str, device: Any, seed: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        bound = 0.5 / dim
+
+        def init_u(t: torch.Tensor) -> None:
+            for start in range(0, t.shape[0], 1 << 16):
+                blk = torch.empty(min(1 << 16, t.shape[0] - start), dim).uniform_(
+                    -bound, bound, generator=gen
+                )
+                t[start : start + blk.shape[0]].copy_(blk.to(t.device, t.dtype))
+
+        self.u = gl.OffloadedEmbedding(vocab_size, dim, placement, device=device, init=init_u)
+        self.v = gl.OffloadedEmbedding(
+            vocab_size, dim, placement, device=device, init=torch.nn.init.zeros_
+        )
+
+    def forward(
+        self, center: torch.Tensor, context: torch.Tensor, negatives: torch.Tensor
+    ) -> torch.Tensor:
+        u = self.u(center)  # (B, dim)
+        pos = (u * self.v(context)).sum(-1)
+        neg = torch.bmm(self.v(negatives), u.unsqueeze(2)).squeeze(2)  # (B, k)
+        return -(F.logsigmoid(pos).sum() + F.logsigmoid(-neg).sum()) / center.shape[0]
+
+
+@dataclass
+class Word2VecResult:
+    """A trained model: the vocabulary, the model (tables in stores), the loss per epoch."""
+
+    vocab: Vocab
+    model: SkipGram
+    losses: list[float]
+
+    def vectors(self) -> np.ndarray:
+        """The input embeddings as a NumPy array (one row per word)."""
+        return self.model.u.table.getNumpyVersion()
+
+    def most_similar(self, word: str, k: int = 10) -> list[tuple[str, float]]:
+        """The ``k`` words with the highest cosine similarity to ``word``."""
+        vec = self.vectors()
+        unit = vec / np.maximum(np.linalg.norm(vec, axis=1, keepdims=True), 1e-12)
+        sims = unit @ unit[self.vocab.index[word]]
+        order = [i for i in np.argsort(-sims) if self.vocab.words[i] != word][:k]
+        return [(self.vocab.words[i], float(sims[i])) for i in order]
+
+    def save(self, prefix: str | os.PathLike[str]) -> None:
+        """``prefix.npy`` (vectors) and ``prefix.vocab.txt`` (word and count per line)."""
+        prefix = os.fspath(prefix)
+        self.model.u.table.save(prefix + ".npy")
+        with open(prefix + ".vocab.txt", "w", encoding="utf-8") as f:
+            for w, c in zip(self.vocab.words, self.vocab.counts, strict=False):
+                f.write(f"{w} {c}\n")
+
+
+def train(
+    corpus: str | os.PathLike[str],
+    *,
+    dim: int = 100,
+    epochs: int = 1,
+    window: int = 5,
+    negatives: int = 5,
+    batch_size: int = 4096,
+    lr: float = 0.002,
+    min_count: int = 1,
+    placement: str = "pinned",
+    device: Any = None,
+    seed: int = 0,
+    chunk_tokens: int = 1 << 20,
+    progress: bool | None = None,
+) -> Word2VecResult:
+    """Train skip-gram with negative sampling on a text file.
+
+    Parameters
+    ----------
+    corpus : path
+        Any text file; words are the lower-cased whitespace-separated tokens.
+    dim, epochs, window, negatives, batch_size, lr, min_count
+        The usual word2vec settings (``negatives`` drawn from unigram counts ** 0.75;
+        ``batch_size`` counts (center, context) pairs).
+    placement : {'pinned', 'cpu', 'cuda'}
+        Where both tables and their Adam state live.
+    device : optional
+        Where the steps run (default: the GPU where present).
+    chunk_tokens : int
+        Pairs are built and shuffled per chunk of this many tokens, so memory stays
+        bounded for large corpora.
+    progress : bool, optional
+        tqdm progress bar (default: when stderr is a terminal).
+
+    Notes
+    -----
+    Each step moves only the distinct rows of the batch (and their two Adam moments)
+    between the stores and the GPU; repeated words within a batch are merged, so their
+    gradients add up exactly.
+    """
+    vocab, ids = build_vocab(corpus, min_count)
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    model = SkipGram(len(vocab), dim, placement, device, seed)
+    dev = model.u.compute_device
+    opt = gl.OffloadedOptimizer(torch.optim.Adam, model, lr=lr)
+    noise = torch.from_numpy(vocab.counts.astype(np.float64) ** 0.75).to(dev)
+    noise_gen = torch.Generator(device=dev).manual_seed(seed)
+    show = sys.stderr.isatty() if progress is None else progress
+    losses: list[float] = []
+    approx_pairs = int(ids.shape[0] * (window + 1))  # mean dynamic window (w+1)/2, both sides
+    for epoch in range(epochs):
+        total, steps = torch.zeros((), device=dev), 0
+        bar = tqdm(
+            total=approx_pairs,
+            disable=not show,
+            desc=f"epoch {epoch + 1}/{epochs}",
+            unit="pair",
+            unit_scale=True,
+        )
+        for start in range(0, ids.shape[0], chunk_tokens):
+            chunk = ids[max(0, start - window) : start + chunk_tokens]
+            c, x = skipgram_pairs(chunk, window, rng)
+            perm = rng.permutation(c.shape[0])
+            c_t = torch.from_numpy(c[perm]).to(dev)
+            x_t = torch.from_numpy(x[perm]).to(dev)
+            for b in range(0, c_t.shape[0], batch_size):
+                center, context = c_t[b : b + batch_size], x_t[b : b + batch_size]
+                neg = torch.multinomial(
+                    noise, center.shape[0] * negatives, replacement=True, generator=noise_gen
+                )
+                opt.zero_grad()
+                loss = model(center, context, neg.view(-1, negatives))
+                loss.backward()
+                opt.step()
+                total += loss.detach()
+                steps += 1
+                bar.update(center.shape[0])
+        bar.close()
+        losses.append(float(total) / max(steps, 1))
+    return Word2VecResult(vocab, model, losses)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m datasets.word2vec", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("corpus", help="a text file")
+    p.add_argument("--dim", type=int, default=100)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--window", type=int, default=5)
+    p.add_argument("--negatives", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=4096, help="(center, context) pairs per step")
+    p.add_argument("--lr", type=float, default=0.002)
+    p.add_argument("--min-count", type=int, default=1)
+    p.add_argument("--placement", default="pinned", choices=["pinned", "cpu", "cuda"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write OUT.npy and OUT.vocab.txt")
+    p.add_argument(
+        "--show", default=None, help="comma-separated words: print their nearest neighbours"
+    )
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    result = train(
+        args.corpus,
+        dim=args.dim,
+        epochs=args.epochs,
+        window=args.window,
+        negatives=args.negatives,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        min_count=args.min_count,
+        placement=args.placement,
+        device=args.device,
+        seed=args.seed,
+        progress=False if args.no_progress else None,
+    )
+    print(
+        f"vocabulary {len(result.vocab)} words; loss per epoch: "
+        + ", ".join(f"{x:.4f}" for x in result.losses)
+    )
+    if args.show:
+        for w in args.show.split(","):
+            if w in result.vocab.index:
+                near = ", ".join(f"{n} ({s:.2f})" for n, s in result.most_similar(w, 5))
+                print(f"{w}: {near}")
+    if args.out:
+        result.save(args.out)
+        print(f"wrote {args.out}.npy and {args.out}.vocab.txt")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

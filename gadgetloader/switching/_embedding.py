@@ -1,0 +1,526 @@
+"""A drop-in embedding whose table (and optimizer state) stay off the GPU.
+
+``OffloadedEmbedding`` / ``OffloadedEmbeddingBag`` are used like ``nn.Embedding`` /
+``nn.EmbeddingBag`` inside any model. Each forward call gathers the batch's distinct
+rows from the table into a small leaf tensor and looks them up with local ids;
+``OffloadedOptimizer`` wraps any supported torch optimizer and, in ``step()``, pages
+those rows and their optimizer state in, runs the torch step, and writes both back.
+The user's loop is only forward / backward / ``step()``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812 (the torch idiom)
+from torch import nn
+
+from .._device import resolve_device
+from .._dtypes import as_torch_dtype, dtype_name
+from .._errors import GadgetTypeError, GadgetValueError
+from .._ids import as_ids
+from ..gadget import DataGadget
+from ._optim import StatePager, supported_name
+from ._rows import RowPlan, plan_rows
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+__all__ = ["OffloadedEmbedding", "OffloadedEmbeddingBag", "OffloadedOptimizer"]
+
+_BAG_MODES = ("sum", "mean", "max")
+
+
+class _Slot:
+    """Holds the per-step parameter outside nn.Module's parameter registry, so
+    ``model.parameters()`` (and any ordinary optimizer) never sees it."""
+
+    def __init__(self, param: nn.Parameter) -> None:
+        self.param = param
+
+
+class _OffloadedTable(nn.Module):
+    """Common part: the table, the per-step variable, the pending rows of this step."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        placement: str,
+        *,
+        dtype: Any,
+        device: Any,
+        init: Callable[..., Any] | None,
+    ) -> None:
+        super().__init__()
+        if int(num_embeddings) <= 0 or int(embedding_dim) <= 0:
+            raise GadgetValueError(
+                f"num_embeddings and embedding_dim must be positive; got {num_embeddings}, {embedding_dim}"
+            )
+        self.num_embeddings = int(num_embeddings)
+        self.embedding_dim = int(embedding_dim)
+        self.compute_device = resolve_device(device)
+        td = as_torch_dtype(dtype)
+        self.table = DataGadget(
+            shape=(self.num_embeddings, self.embedding_dim),
+            dtype=td,
+            placement=placement,
+            device=self.compute_device,
+        )
+        if init is None:
+            self.table.normal_(0.0, 1.0)
+        else:
+            self.table.init_(init)
+        self._slot = _Slot(
+            nn.Parameter(torch.empty((0, self.embedding_dim), dtype=td, device=self.compute_device))
+        )
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._attached = False
+
+    @property
+    def placement(self) -> str:
+        return self.table.placement
+
+    def _apply(self, fn: Any, recurse: bool = True) -> _OffloadedTable:
+        """``model.to(device)`` / ``.cuda()`` / ``.cpu()`` move where lookups are delivered
+        and where the step runs; the table itself stays in its placement."""
+        out = super()._apply(fn, recurse)
+        probe = fn(torch.empty(0, dtype=self.table.dtype, device=self.compute_device))
+        if isinstance(probe, torch.Tensor) and probe.device != self.compute_device:
+            self.compute_device = probe.device
+            param = self._slot.param
+            param.data = param.data.to(probe.device)
+            self._pending.clear()
+        return out
+
+    @property
+    def weight(self) -> DataGadget:
+        """The full table (a :class:`~gadgetloader.DataGadget`)."""
+        return self.table
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, placement={self.placement!r}, "
+            f"dtype={dtype_name(self.table.dtype)}, device={str(self.compute_device)!r}"
+        )
+
+    def _rows_for(self, input: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local ids (input's shape) and the leaf tensor of the distinct rows."""
+        ids = as_ids(input, self.num_embeddings, self.compute_device, check=False)
+        plan = plan_rows((ids,), "merge", self.num_embeddings)
+        store = self.table.store
+        rows = store.gather(plan.ids.to(store.ids_device(self.compute_device)), self.compute_device)
+        if torch.is_grad_enabled() and self._attached:
+            rows.requires_grad_(True)
+            self._pending.append((plan.ids, rows))
+        return plan.local.view(ids.shape), rows
+
+    # ---- used by OffloadedOptimizer ------------------------------------------------
+    def _take_step_rows(self, sparse: bool) -> RowPlan | None:
+        """Merge this step's forward calls into the per-step parameter and its gradient."""
+        pending = [(ids, rows) for ids, rows in self._pending if rows.grad is not None]
+        self._pending.clear()
+        param = self._slot.param
+        if not pending:
+            param.grad = None
+            return None
+        if len(pending) == 1:
+            ids, rows = pending[0]
+            data, grad = rows.detach(), rows.grad
+            plan = RowPlan(ids, ids, ((ids.numel(),),))
+        else:
+            all_ids = torch.cat([ids for ids, _ in pending])
+            uniq, inverse = torch.unique(all_ids, sorted=True, return_inverse=True)
+            data = torch.empty(
+                (uniq.numel(), self.embedding_dim), dtype=param.dtype, device=param.device
+            )
+            grad = torch.zeros_like(data)
+            start = 0
+            for ids, rows in pending:
+                where = inverse[start : start + ids.numel()]
+                start += ids.numel()
+                data.index_copy_(0, where, rows.detach())
+                assert rows.grad is not None
+                grad.index_add_(0, where, rows.grad)
+            plan = RowPlan(uniq, inverse, ((all_ids.numel(),),))
+        assert grad is not None
+        param.data = data
+        if sparse:
+            n = data.shape[0]
+            idx = torch.arange(n, device=data.device).unsqueeze(0)
+            param.grad = torch.sparse_coo_tensor(
+                idx, grad, data.shape, is_coalesced=True, check_invariants=False
+            )
+        else:
+            param.grad = grad
+        return plan
+
+    def _has_pending_grads(self) -> bool:
+        return any(rows.grad is not None for _, rows in self._pending)
+
+    def _write_back(self, plan: RowPlan) -> None:
+        store = self.table.store
+        rows = self._slot.param.detach()
+        store.scatter(plan.ids.to(store.ids_device(rows.device)), rows)
+
+    def _clear_grads(self) -> None:
+        for _, rows in self._pending:
+            rows.grad = None
+
+    # ---- state_dict: the full table, for small tables --------------------------------
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not _EXTERNAL_TABLES:
+            destination[prefix + "weight"] = torch.from_numpy(self.table.getNumpyVersion())
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Any,
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        key = prefix + "weight"
+        if key in state_dict:
+            t = state_dict[key]
+            if tuple(t.shape) != self.table.shape:
+                error_msgs.append(
+                    f"size mismatch for {key}: expected {self.table.shape}, got {tuple(t.shape)}"
+                )
+            else:
+                self.table.store.write_block(0, t.to(self.table.dtype).cpu())
+                self.table.store.synchronize()
+        elif strict and not _EXTERNAL_TABLES:
+            missing_keys.append(key)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+
+
+#: set by the checkpoint code while it writes tables to files itself
+_EXTERNAL_TABLES: list[bool] = []
+
+
+class OffloadedEmbedding(_OffloadedTable):
+    """``nn.Embedding`` with its table in a store (pinned host RAM by default).
+
+    Parameters
+    ----------
+    num_embeddings, embedding_dim : int
+        The table's shape.
+    placement : {'pinned', 'cuda', 'cpu'}, default 'pinned'
+        Where the table and its optimizer state live.
+    dtype : default float32
+    device : optional
+        Where lookups are delivered and the optimizer step runs (default: the
+        current CUDA device, else the CPU).
+    init : callable, optional
+        In-place initializer for the table (default N(0, 1) like ``nn.Embedding``),
+        e.g. ``functools.partial(torch.nn.init.uniform_, a=-0.1, b=0.1)``.
+
+    Notes
+    -----
+    A forward call gathers the distinct rows of ``input`` once (repeats merged, so
+    gradients of repeated ids add up exactly); train it with
+    :class:`OffloadedOptimizer`. The table is not an ``nn.Parameter``: a plain
+    torch optimizer over ``model.parameters()`` does not see it. ``state_dict()``
+    includes the whole table as ``weight`` (fine for small tables; use
+    :func:`~gadgetloader.switching.save_checkpoint` for large ones). Forward
+    calls made with gradients enabled keep their rows until the next
+    ``step()``: evaluate under ``torch.no_grad()``.
+
+    Examples
+    --------
+    >>> import torch, gadgetloader as gl
+    >>> emb = gl.OffloadedEmbedding(1000, 8, placement="cpu", device="cpu")
+    >>> opt = gl.OffloadedOptimizer(torch.optim.Adam, emb, lr=0.01)
+    >>> emb(torch.tensor([[1, 2], [2, 3]])).sum().backward()
+    >>> opt.step()
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        placement: str = "pinned",
+        *,
+        dtype: Any = torch.float32,
+        device: Any = None,
+        init: Callable[..., Any] | None = None,
+    ) -> None:
+        super().__init__(
+            num_embeddings, embedding_dim, placement, dtype=dtype, device=device, init=init
+        )
+
+    def forward(self, input: Any) -> torch.Tensor:
+        local, rows = self._rows_for(input)
+        return F.embedding(local, rows)
+
+
+class OffloadedEmbeddingBag(_OffloadedTable):
+    """``nn.EmbeddingBag`` (``mode`` 'sum', 'mean' or 'max') with its table in a store.
+
+    ``forward(input, offsets=None, per_sample_weights=None)`` takes a 2-D input
+    (one bag per row) or a 1-D input with ``offsets``, as ``nn.EmbeddingBag``.
+    Parameters otherwise as :class:`OffloadedEmbedding`.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        mode: str = "mean",
+        placement: str = "pinned",
+        *,
+        include_last_offset: bool = False,
+        dtype: Any = torch.float32,
+        device: Any = None,
+        init: Callable[..., Any] | None = None,
+    ) -> None:
+        if mode not in _BAG_MODES:
+            raise GadgetValueError(f"Unknown mode {mode!r}; expected one of {list(_BAG_MODES)}")
+        super().__init__(
+            num_embeddings, embedding_dim, placement, dtype=dtype, device=device, init=init
+        )
+        self.mode = mode
+        self.include_last_offset = include_last_offset
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", mode={self.mode!r}"
+
+    def forward(
+        self,
+        input: Any,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        local, rows = self._rows_for(input)
+        if local.dim() == 1 and offsets is None:
+            raise GadgetValueError(
+                "a 1-D input needs offsets (or pass a 2-D input: one bag per row)"
+            )
+        if offsets is not None:
+            offsets = torch.as_tensor(offsets, device=local.device)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.to(local.device)
+        return F.embedding_bag(
+            local,
+            rows,
+            offsets,
+            mode=self.mode,
+            per_sample_weights=per_sample_weights,
+            include_last_offset=self.include_last_offset,
+        )
+
+
+def _collect(params: Any) -> tuple[list[_OffloadedTable], list[Any]]:
+    """Split modules / parameters / param groups into offloaded tables and the rest."""
+    if isinstance(params, (nn.Module, torch.Tensor, dict)):
+        params = [params]
+    tables: list[_OffloadedTable] = []
+    others: list[Any] = []
+    seen: set[int] = set()
+    for item in params:
+        if isinstance(item, nn.Module):
+            for m in item.modules():
+                if isinstance(m, _OffloadedTable) and id(m) not in seen:
+                    seen.add(id(m))
+                    tables.append(m)
+            others.extend(p for p in item.parameters() if id(p) not in seen and not seen.add(id(p)))  # type: ignore[func-returns-value]
+        elif isinstance(item, (torch.Tensor, dict)):
+            others.append(item)
+        else:
+            raise GadgetTypeError(
+                "OffloadedOptimizer takes modules, parameters or param-group dicts; got "
+                f"{type(item).__name__}"
+            )
+    return tables, others
+
+
+class OffloadedOptimizer(torch.optim.Optimizer):
+    """Any supported torch optimizer over models with offloaded embeddings.
+
+    Parameters
+    ----------
+    optimizer_class : type
+        A torch optimizer class, one of
+        :data:`~gadgetloader.switching.SUPPORTED_OPTIMIZERS` (for ``SparseAdam`` the
+        ordinary parameters must have sparse gradients too).
+    params : nn.Module, or iterable of modules / parameters / param-group dicts
+        Modules are searched for :class:`OffloadedEmbedding` /
+        :class:`OffloadedEmbeddingBag`; their ordinary parameters are optimized
+        as usual.
+    **kwargs
+        Passed to ``optimizer_class`` (``lr=``, ``betas=``, ``foreach=``, ``fused=``, ...).
+
+    Notes
+    -----
+    ``step()`` runs one torch step over the ordinary parameters and, per offloaded
+    table, over the distinct rows used since the last step (the gradients of all
+    forward calls summed), with their optimizer state gathered from and scattered
+    back to state tables in the table's placement. Rows not used are untouched,
+    and each table keeps one step count, as torch's ``SparseAdam``. The wrapper is
+    a ``torch.optim.Optimizer`` sharing ``param_groups`` and ``state`` with the
+    inner optimizer, so learning-rate schedulers work.
+    """
+
+    def __init__(
+        self,
+        optimizer_class: type[torch.optim.Optimizer],
+        params: Iterable[Any] | nn.Module,
+        **kwargs: Any,
+    ) -> None:
+        self.optimizer_name = supported_name(optimizer_class)
+        tables, others = _collect(params)
+        if not tables and not others:
+            raise GadgetValueError(
+                "OffloadedOptimizer got no parameters and no offloaded embeddings"
+            )
+        for m in tables:
+            if m._attached:
+                raise GadgetValueError(
+                    "this offloaded embedding already belongs to an OffloadedOptimizer"
+                )
+        slots = [m._slot.param for m in tables]
+        groups: list[dict[str, Any]] = [dict(g) for g in others if isinstance(g, dict)]
+        plain = [p for p in others if not isinstance(p, dict)]
+        groups.append({"params": plain + slots})
+        self.inner = optimizer_class(groups, **kwargs)
+        super().__init__([dict(g) for g in groups], dict(self.inner.defaults))
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self.defaults = self.inner.defaults
+        self.tables = tables
+        self.pagers = [
+            StatePager(self.inner, m._slot.param, m.num_embeddings, placement=m.placement)
+            for m in tables
+        ]
+        self._sparse = self.optimizer_name == "SparseAdam"
+        self._prepared: list[RowPlan | None] | None = None
+        for m in tables:
+            m._attached = True
+
+    def __repr__(self) -> str:
+        return f"OffloadedOptimizer({self.inner!r}, offloaded tables={len(self.tables)})"
+
+    @torch.no_grad()
+    def prepare_grads(self) -> None:
+        """Merge each offloaded table's row gradients into its per-step parameter now.
+
+        ``step()`` does this itself. Call it first when something must see those
+        gradients through ``param_groups`` before the step: ``GradScaler.unscale_`` /
+        ``GradScaler.step`` (mixed precision) or gradient clipping over
+        ``[p for g in opt.param_groups for p in g["params"]]``.
+        """
+        old = self._prepared or [None] * len(self.tables)
+        plans: list[RowPlan | None] = []
+        for m, before in zip(self.tables, old, strict=True):
+            if not m._has_pending_grads():
+                m._pending.clear()
+                plans.append(before)
+                continue
+            if before is not None:
+                raise GadgetValueError(
+                    "backward ran again after prepare_grads(); call prepare_grads() once, "
+                    "right before GradScaler.step / clipping / step()"
+                )
+            plans.append(m._take_step_rows(self._sparse))
+        self._prepared = plans
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Page in the used rows and their state, run the torch step, write both back."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.prepare_grads()
+        plans, self._prepared = self._prepared or [], None
+        for pager, plan in zip(self.pagers, plans, strict=True):
+            if plan is not None:
+                pager.load(plan)
+        self.inner.step()
+        for m, pager, plan in zip(self.tables, self.pagers, plans, strict=True):
+            if plan is not None:
+                m._write_back(plan)
+                pager.store_back(plan)
+                m._slot.param.grad = None
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients of the ordinary parameters and of this step's table rows."""
+        self.inner.zero_grad(set_to_none=set_to_none)
+        self._prepared = None
+        for m in self.tables:
+            m._clear_grads()
+            m._slot.param.grad = None
+
+    # ---- state_dict: everything, tables included (small tables) ----------------------
+    def _inner_state_without_rows(self) -> dict[str, Any]:
+        """The inner optimizer's state_dict with the per-step rows dropped and every
+        remaining tensor copied (torch's own state_dict aliases live state)."""
+        sd = self.inner.state_dict()
+        row_keys = {
+            id(m._slot.param): pager.row_keys
+            for m, pager in zip(self.tables, self.pagers, strict=True)
+        }
+        flat = [p for group in self.inner.param_groups for p in group["params"]]
+        state: dict[Any, Any] = {}
+        for index, entry in sd["state"].items():
+            drop = (
+                row_keys.get(id(flat[index]), ())
+                if isinstance(index, int) and index < len(flat)
+                else ()
+            )
+            state[index] = {
+                k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in entry.items()
+                if k not in drop
+            }
+        return {"state": state, "param_groups": sd["param_groups"]}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state (scalars such as ``step`` included) plus every
+        offloaded table's full state tables as CPU tensors (for small tables; see
+        :func:`~gadgetloader.switching.save_checkpoint` for large ones)."""
+        return {
+            "inner": self._inner_state_without_rows(),
+            "tables": [
+                {k: torch.from_numpy(t.getNumpyVersion()) for k, t in pager.tables.items()}
+                for pager in self.pagers
+            ],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (same model structure and optimizer)."""
+        if set(state_dict) != {"inner", "tables"} or len(state_dict["tables"]) != len(self.pagers):
+            raise GadgetValueError(
+                f"expected an OffloadedOptimizer state_dict for {len(self.pagers)} offloaded tables; "
+                f"got keys {sorted(state_dict)}"
+            )
+        self._load_inner(state_dict["inner"])
+        for pager, tables in zip(self.pagers, state_dict["tables"], strict=False):
+            if set(tables) != set(pager.tables):
+                raise GadgetValueError(
+                    f"state tables {sorted(tables)} do not match this optimizer's {sorted(pager.tables)}"
+                )
+            for key, t in tables.items():
+                table = pager.tables[key]
+                if tuple(t.shape) != table.shape:
+                    raise GadgetValueError(
+                        f"state table {key!r}: expected shape {table.shape}, got {tuple(t.shape)}"
+                    )
+                table.store.write_block(0, t.to(table.dtype))
+                table.store.synchronize()
+
+    def _load_inner(self, sd: dict[str, Any]) -> None:
+        self.inner.load_state_dict(sd)
+        # load_state_dict rebuilt inner.state; share it again
+        self.state = self.inner.state
+        self.param_groups = self.inner.param_groups

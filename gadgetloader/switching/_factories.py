@@ -1,0 +1,159 @@
+"""SpeedTorch's switcher names, as thin faces over :class:`ModelSwitch` / :class:`OptimizerSwitch`.
+
+The four classes differ only in how they name the placement: ``CPUPinn`` for the
+CuPy-era ``ModelFactory`` / ``OptimizerFactory``, ``deviceType`` and ``pinType``
+for the ``Pytorch*`` ones. Tables, gathers, scatters and optimizer-state paging
+are the same code for all of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._errors import GadgetValueError
+from ._model import ModelSwitch
+from ._optim import OptimizerSwitch
+
+__all__ = ["ModelFactory", "OptimizerFactory", "PytorchModelFactory", "PytorchOptimizerFactory"]
+
+
+def _cupy_placement(CPUPinn: bool, placement: str | None) -> str:
+    if placement is not None:
+        return placement
+    return "pinned" if CPUPinn else "cuda"
+
+
+def _torch_placement(deviceType: str, pinType: bool, placement: str | None) -> str:
+    if placement is not None:
+        return placement
+    if deviceType == "cuda":
+        return "cuda"
+    if deviceType == "cpu":
+        return "pinned" if pinType else "cpu"
+    raise GadgetValueError(f"Unknown deviceType {deviceType!r}; expected one of ['cpu', 'cuda']")
+
+
+class ModelFactory(ModelSwitch):
+    """SpeedTorch's model-variable switcher: ``CPUPinn=True`` keeps the table in pinned
+    host RAM, ``False`` on the GPU. See :class:`ModelSwitch` for the methods.
+
+    ``placement=`` (``'pinned'``, ``'cuda'``, ``'cpu'``) overrides ``CPUPinn``;
+    ``duplicates=`` chooses how repeated ids are laid out.
+
+    Examples
+    --------
+    >>> import torch, gadgetloader as gl
+    >>> emb = torch.nn.Embedding(3, 4)  # rows for one batch's ids
+    >>> sw = gl.ModelFactory(emb, total_classes=100, embed_dimension=4, placement="cpu")
+    >>> sw.uniformDistributionInit(-0.1, 0.1)
+    >>> local = sw.beforeForwardPass(torch.tensor([5, 9, 5]))
+    >>> local.tolist(), tuple(emb.weight.shape)
+    ([0, 1, 0], (3, 4))
+    """
+
+    def __init__(
+        self,
+        model_variable: Any,
+        total_classes: int,
+        embed_dimension: int,
+        datatype: Any = "float32",
+        CPUPinn: bool = False,
+        *,
+        placement: str | None = None,
+        duplicates: str | None = None,
+    ) -> None:
+        super().__init__(
+            model_variable,
+            total_classes,
+            embed_dimension,
+            dtype=datatype,
+            placement=_cupy_placement(CPUPinn, placement),
+            duplicates=duplicates,
+        )
+
+
+class PytorchModelFactory(ModelSwitch):
+    """SpeedTorch's torch-tensor model switcher: ``deviceType='cuda'`` keeps the table on
+    the GPU, ``'cpu'`` in host RAM (``pinType=True``: pinned and read by the GPU in place).
+    Same methods as :class:`ModelFactory`."""
+
+    def __init__(
+        self,
+        model_variable: Any,
+        total_classes: int,
+        embed_dimension: int,
+        datatype: Any = "float32",
+        deviceType: str = "cuda",
+        pinType: bool = False,
+        *,
+        placement: str | None = None,
+        duplicates: str | None = None,
+    ) -> None:
+        super().__init__(
+            model_variable,
+            total_classes,
+            embed_dimension,
+            dtype=datatype,
+            placement=_torch_placement(deviceType, pinType, placement),
+            duplicates=duplicates,
+        )
+
+
+class OptimizerFactory(OptimizerSwitch):
+    """SpeedTorch's optimizer-state switcher (``CPUPinn`` as for :class:`ModelFactory`).
+
+    Call :meth:`optInit` once, then ``beforeForwardPass`` / ``afterOptimizerStep`` each
+    step with the same ids as the model switcher. See :class:`OptimizerSwitch`.
+    """
+
+    def __init__(
+        self,
+        given_optimizer: torch.optim.Optimizer,
+        total_classes: int,
+        embed_dimension: int,
+        model: torch.nn.Module,
+        variable_name: str,
+        dtype: Any = "float32",
+        CPUPinn: bool = False,
+        *,
+        placement: str | None = None,
+    ) -> None:
+        super().__init__(
+            given_optimizer,
+            total_classes,
+            embed_dimension,
+            model,
+            variable_name,
+            dtype=dtype,
+            placement=_cupy_placement(CPUPinn, placement),
+        )
+
+
+class PytorchOptimizerFactory(OptimizerSwitch):
+    """SpeedTorch's torch-tensor optimizer-state switcher (``deviceType`` / ``pinType`` as
+    for :class:`PytorchModelFactory`)."""
+
+    def __init__(
+        self,
+        given_optimizer: torch.optim.Optimizer,
+        total_classes: int,
+        embed_dimension: int,
+        model: torch.nn.Module,
+        variable_name: str,
+        dtype: Any = "float32",
+        deviceType: str = "cuda",
+        pinType: bool = False,
+        *,
+        placement: str | None = None,
+    ) -> None:
+        super().__init__(
+            given_optimizer,
+            total_classes,
+            embed_dimension,
+            model,
+            variable_name,
+            dtype=dtype,
+            placement=_torch_placement(deviceType, pinType, placement),
+        )

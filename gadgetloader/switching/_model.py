@@ -1,0 +1,344 @@
+"""Model-variable paging: a full table in a store, a batch's rows in the model.
+
+:class:`ModelSwitch` is the one implementation behind ``ModelFactory`` and
+``PytorchModelFactory``. The model keeps an ordinary variable (for example the
+weight of an ``nn.Embedding``); before the forward pass the switch gathers the
+batch's rows from the table into it, after the optimizer step it scatters them
+back. The table can be far larger than GPU memory.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any, overload
+
+import numpy as np
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import io as _io
+from .._dtypes import as_torch_dtype, dtype_name
+from .._errors import GadgetTypeError, GadgetValueError
+from .._ids import as_ids
+from ..gadget import DataGadget
+from ._rows import DUPLICATE_MODES, RowPlan, plan_rows, split_local
+
+__all__ = ["ModelSwitch", "resolve_parameter", "switch_for"]
+
+_REGISTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def switch_for(param: torch.Tensor) -> ModelSwitch | None:
+    """The :class:`ModelSwitch` that pages ``param``, if any (optimizer switches follow its layout)."""
+    ref = _REGISTRY.get(param)
+    sw = ref() if ref is not None else None
+    return sw if isinstance(sw, ModelSwitch) else None
+
+
+def resolve_parameter(model_variable: Any) -> torch.nn.Parameter:
+    """The parameter behind ``model_variable``: a parameter itself, or a module's ``weight``."""
+    if isinstance(model_variable, torch.nn.Parameter):
+        return model_variable
+    weight = getattr(model_variable, "weight", None)
+    if isinstance(model_variable, torch.nn.Module) and isinstance(weight, torch.nn.Parameter):
+        return weight
+    raise GadgetTypeError(
+        "model_variable must be an nn.Parameter or a module with a .weight parameter "
+        f"(e.g. model.u_embeddings); got {type(model_variable).__name__}"
+    )
+
+
+def _as_id_parts(
+    pos: Any, neg: Any, num_rows: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """Ids as int64 tensors on ``device``; the range is checked by :func:`plan_rows`."""
+    parts = [as_ids(pos, num_rows, device, check=False)]
+    if neg is not None:
+        parts.append(as_ids(neg, num_rows, device, check=False))
+    return tuple(parts)
+
+
+class ModelSwitch:
+    """Pages the rows of one model variable between a full table and the model.
+
+    Parameters
+    ----------
+    model_variable : nn.Module or nn.Parameter
+        The variable the model uses (a module's ``weight`` is taken), e.g. the
+        weight of an ``nn.Embedding`` with any number of rows.
+    total_classes : int
+        Rows of the full table.
+    embed_dimension : int
+        Row width; must match the variable's rows.
+    dtype : str or dtype, default 'float32'
+        The table's dtype.
+    placement : {'pinned', 'cuda', 'cpu'}
+        Where the table lives (``cuda``/``pinned`` fall back to ``cpu`` without CUDA).
+    duplicates : {'merge', 'separate'}, optional
+        ``merge``: each distinct id is one row of the variable and
+        :meth:`beforeForwardPass` returns the local ids to feed the model (exact
+        gradients for repeated ids). ``separate``: one row per id position, as
+        SpeedTorch did (repeats are updated separately and the last write wins).
+        Default: ``merge``, switched to ``separate`` by :meth:`variableTransformer`.
+
+    Notes
+    -----
+    The variable keeps a fixed shape for a fixed batch size: its own number of rows,
+    or one per id position if that is more (see :meth:`capacity_for`); rows past the
+    batch's distinct ids are zero padding that no local id addresses and that is never
+    written back. A step moves the batch's distinct rows in once (one gather) and out
+    once (one scatter). With ``pinned`` both run as GPU kernels over PCIe, so no CPU
+    indexing is involved; with ``merge`` the ids are sorted first, which also
+    makes the accesses walk the table in address order.
+    """
+
+    def __init__(
+        self,
+        model_variable: Any,
+        total_classes: int,
+        embed_dimension: int,
+        *,
+        dtype: Any = "float32",
+        placement: str = "pinned",
+        duplicates: str | None = None,
+    ) -> None:
+        self.param = resolve_parameter(model_variable)
+        self.model_variable = model_variable
+        if int(total_classes) <= 0:
+            raise GadgetValueError(f"total_classes must be positive; got {total_classes}")
+        row_shape = tuple(self.param.shape[1:])
+        if row_shape != (int(embed_dimension),):
+            raise GadgetValueError(
+                f"embed_dimension={embed_dimension} but the model variable's rows have shape "
+                f"{row_shape} (variable shape {tuple(self.param.shape)})"
+            )
+        if duplicates is not None and duplicates not in DUPLICATE_MODES:
+            raise GadgetValueError(
+                f"Unknown duplicates mode {duplicates!r}; expected one of {list(DUPLICATE_MODES)}"
+            )
+        self.total_classes = int(total_classes)
+        self.embed_dimension = int(embed_dimension)
+        self._duplicates = duplicates
+        self._transformed = False
+        self.table = DataGadget(
+            shape=(self.total_classes, self.embed_dimension),
+            dtype=as_torch_dtype(dtype),
+            placement=placement,
+            device=self.param.device,
+        )
+        self._cache: tuple[Any, Any, RowPlan] | None = None
+        self._capacity = 0
+        self._loaded: RowPlan | None = None
+        _REGISTRY[self.param] = weakref.ref(self)  # a strong value would keep the key alive
+
+    # ---- facts -------------------------------------------------------------------
+    @property
+    def duplicates(self) -> str:
+        """How repeated ids are laid out (``'merge'`` or ``'separate'``)."""
+        if self._duplicates is not None:
+            return self._duplicates
+        return "separate" if self._transformed else "merge"
+
+    @property
+    def placement(self) -> str:
+        return self.table.placement
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model variable lives (and the local ids are delivered)."""
+        return self.param.device
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(rows={self.total_classes}, dim={self.embed_dimension}, "
+            f"dtype={dtype_name(self.table.dtype)}, placement={self.placement!r}, "
+            f"duplicates={self.duplicates!r})"
+        )
+
+    # ---- initialisers ------------------------------------------------------------
+    def zerosInit(self) -> None:
+        """Fill the table with zeros."""
+        self.table.zero_()
+
+    def uniformDistributionInit(self, low: float, high: float) -> None:
+        """Fill the table from U(low, high)."""
+        self.table.uniform_(low, high)
+
+    def normalDistributionInit(self, mean: float, stdDev: float) -> None:
+        """Fill the table from N(mean, stdDev**2)."""
+        self.table.normal_(mean, stdDev)
+
+    def customInit(self, initFunction: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Fill the table with any in-place torch initializer, e.g.
+        ``customInit(torch.nn.init.xavier_uniform_)``."""
+        self.table.init_(initFunction, *args, **kwargs)
+
+    # ---- the step protocol -------------------------------------------------------
+    @overload
+    def variableTransformer(
+        self, batchSize: int, posPerBatch: int, negPerBatch: None = None
+    ) -> np.ndarray: ...
+    @overload
+    def variableTransformer(
+        self, batchSize: int, posPerBatch: int, negPerBatch: int
+    ) -> tuple[np.ndarray, np.ndarray]: ...
+    def variableTransformer(
+        self, batchSize: int, posPerBatch: int, negPerBatch: int | None = None
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """SpeedTorch's dummy inputs: local row numbers ``0..batchSize*posPerBatch-1``
+        shaped ``(batchSize, posPerBatch)``, and the negatives' row numbers following
+        them when ``negPerBatch`` is given -- int64 NumPy arrays, exactly as SpeedTorch
+        returned them (so ``torch.LongTensor(x).cuda()`` or ``torch.from_numpy(x)``
+        code keeps working).
+
+        Calling it selects ``duplicates='separate'`` (unless set explicitly): the
+        variable then holds one row per id position, so the dummy inputs address the
+        right rows. A repeated id is then updated once per copy and the copy written
+        back last wins -- use the local ids that :meth:`beforeForwardPass` returns
+        (``duplicates='merge'``) for exact results.
+        """
+        self._transformed = True
+        self._cache = None  # the layout may have changed
+        n_pos = int(batchSize) * int(posPerBatch)
+        pos = np.arange(n_pos, dtype=np.int64).reshape(int(batchSize), int(posPerBatch))
+        if negPerBatch is None:
+            return pos
+        n_neg = int(batchSize) * int(negPerBatch)
+        neg = np.arange(n_pos, n_pos + n_neg, dtype=np.int64).reshape(
+            int(batchSize), int(negPerBatch)
+        )
+        return pos, neg
+
+    def plan(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> RowPlan:
+        """The row plan for these ids (cached for the same id objects)."""
+        c = self._cache
+        if c is not None and c[0] is retrievedPosIndexes and c[1] is retrievedNegIndexes:
+            return c[2]
+        parts = _as_id_parts(
+            retrievedPosIndexes, retrievedNegIndexes, self.total_classes, self.device
+        )
+        plan = plan_rows(parts, self.duplicates, self.total_classes)
+        self._cache = (retrievedPosIndexes, retrievedNegIndexes, plan)
+        return plan
+
+    @overload
+    def beforeForwardPass(
+        self, retrievedPosIndexes: Any, retrievedNegIndexes: None = None
+    ) -> torch.Tensor: ...
+    @overload
+    def beforeForwardPass(
+        self, retrievedPosIndexes: Any, retrievedNegIndexes: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def beforeForwardPass(
+        self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Gather the rows of these ids into the model variable.
+
+        Returns
+        -------
+        torch.Tensor or (torch.Tensor, torch.Tensor)
+            The local ids to feed the model in place of the global ids (same shapes),
+            on the variable's device; a pair when negatives are given.
+        """
+        plan = self.plan(retrievedPosIndexes, retrievedNegIndexes)
+        store = self.table.store
+        dev = self.device
+        n, cap = plan.num_rows, self.capacity_for(plan)
+        rows = torch.empty((cap, *store.row_shape), dtype=store.dtype, device=dev)
+        store.gather(plan.ids.to(store.ids_device(dev)), dev, out=rows[:n])
+        if cap > n:
+            rows[n:].zero_()  # padding rows: no id maps to them, their gradient is zero
+        self.param.data = rows
+        self.param.grad = None
+        self._loaded = plan
+        local = split_local(plan)
+        return local[0] if len(local) == 1 else (local[0], local[1])
+
+    def capacity_for(self, plan: RowPlan) -> int:
+        """Rows of the model variable for ``plan``: never fewer than it had, nor than the
+        batch has positions, so a fixed-size batch gives a fixed-shape variable.
+
+        Notes
+        -----
+        A stable shape matters: autograd checks a parameter's gradient against the
+        shape it had when the previous graph (still referenced by, e.g., the last
+        ``loss``) was built. The rows past the batch's distinct ids are padding: no
+        local id points at them, so their gradient is zero and they are never written
+        back.
+        """
+        self._capacity = max(self._capacity, int(self.param.shape[0]), int(plan.local.numel()))
+        return self._capacity
+
+    def afterOptimizerStep(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:
+        """Scatter the model variable's rows back into the table."""
+        plan = self.plan(retrievedPosIndexes, retrievedNegIndexes)
+        loaded = self._loaded
+        if loaded is None or (
+            plan is not loaded
+            and (plan.ids.shape != loaded.ids.shape or not torch.equal(plan.ids, loaded.ids))
+        ):
+            raise GadgetValueError(
+                "afterOptimizerStep got ids other than those of the last beforeForwardPass "
+                f"({plan.num_rows} rows here, "
+                f"{'none' if loaded is None else loaded.num_rows} loaded); pass the same ids"
+            )
+        rows = self.param.detach()
+        n = plan.num_rows
+        store = self.table.store
+        rows = rows[:n]
+        if rows.dtype != store.dtype:
+            rows = rows.to(store.dtype)
+        store.scatter(plan.ids.to(store.ids_device(rows.device)), rows)
+
+    # ---- whole table -------------------------------------------------------------
+    def getNumpyVersion(self) -> Any:
+        """The full table as a NumPy array."""
+        return self.table.getNumpyVersion()
+
+    def saveCupy(self, saveFileName: str | os.PathLike[str]) -> None:
+        """Save the full table as .npy."""
+        self.table.saveCupy(saveFileName)
+
+    def loadCupy(self, loadFileName: str | os.PathLike[str]) -> None:
+        """Load the full table from .npy (shape and dtype must match)."""
+        self._load_checked(loadFileName, format="npy")
+
+    def save(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
+        """Save the full table (format from the extension: .npy, .h5, .zarr)."""
+        self.table.save(path, **kwargs)
+
+    def load(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
+        """Load the full table from a file written by :meth:`save`."""
+        self._load_checked(path, **kwargs)
+
+    def _load_checked(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
+        src = _io.open_source(
+            os.fspath(path), format=kwargs.get("format"), dataset=kwargs.get("dataset")
+        )
+        try:
+            shape, dtype = tuple(src.shape), src.dtype
+        finally:
+            src.close()
+        if shape != self.table.shape or dtype != self.table.dtype:
+            raise GadgetValueError(
+                f"{os.fspath(path)} holds a {shape} {dtype_name(dtype)} table; expected "
+                f"{self.table.shape} {dtype_name(self.table.dtype)}"
+            )
+        self.table.load(path, **kwargs)
+
+    def saveTorch(self, saveFileName: str | os.PathLike[str]) -> None:
+        """Save the full table with ``torch.save`` (a CPU tensor)."""
+        torch.save(torch.from_numpy(self.table.getNumpyVersion()), saveFileName)
+
+    def loadTorch(self, loadFileName: str | os.PathLike[str]) -> None:
+        """Load a table saved with :meth:`saveTorch` (shape and dtype must match)."""
+        t = torch.load(loadFileName, map_location="cpu", weights_only=True)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != self.table.shape:
+            raise GadgetValueError(
+                f"{os.fspath(loadFileName)} holds {getattr(t, 'shape', type(t).__name__)}; "
+                f"expected a tensor of shape {self.table.shape}"
+            )
+        self.table.store.write_block(0, t.to(self.table.dtype))
+        self.table.store.synchronize()

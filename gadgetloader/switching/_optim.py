@@ -1,0 +1,455 @@
+"""Optimizer-state paging: the per-row state of one parameter lives in tables.
+
+A torch optimizer keeps, per parameter, some tensors of the parameter's shape
+(Adam's ``exp_avg`` and ``exp_avg_sq``, Adagrad's ``sum``, Rprop's ``prev`` and
+``step_size``, ...) and some scalars (``step``, ASGD's ``eta`` and ``mu``). When
+the parameter is a small per-step variable holding only a batch's rows, the
+row-shaped state must follow those rows: gathered from full tables before the
+optimizer step and scattered back after it. The scalars stay in the optimizer,
+exactly as torch keeps them (one step count per table, as torch's SparseAdam).
+
+Nothing here is written per optimizer class. :func:`probe_state` runs a fresh
+instance of the user's optimizer class, with the same hyper-parameters, on a
+one-row probe parameter and records every state entry at the moment torch
+creates it: row-shaped entries are paged, 0-d and Python scalars stay in place,
+and the recorded values are the rows a never-trained row starts from (so Rprop's
+``step_size`` starts at ``lr`` with no warm-up step).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from .._errors import GadgetKeyError, GadgetTypeError, GadgetValueError
+from ..gadget import DataGadget
+
+if TYPE_CHECKING:
+    from ._rows import RowPlan
+
+__all__ = [
+    "SUPPORTED_OPTIMIZERS",
+    "OptimizerSwitch",
+    "StateLayout",
+    "StatePager",
+    "probe_state",
+    "resolve_named_parameter",
+    "supported_name",
+]
+
+#: torch optimizers whose state is elementwise (row-shaped tensors plus scalars)
+SUPPORTED_OPTIMIZERS: tuple[str, ...] = (
+    "SparseAdam",
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "Adadelta",
+    "RMSprop",
+    "Rprop",
+    "ASGD",
+    "Adagrad",
+    "SGD",
+    "NAdam",
+    "RAdam",
+)
+
+
+def supported_name(optimizer: Any) -> str:
+    """The supported torch optimizer class ``optimizer`` is (or derives from).
+
+    Raises
+    ------
+    GadgetTypeError
+        For any other optimizer; the message lists the supported ones.
+    """
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    for base in cls.__mro__:
+        if (
+            base.__name__ in SUPPORTED_OPTIMIZERS
+            and getattr(torch.optim, base.__name__, None) is base
+        ):
+            return base.__name__
+    raise GadgetTypeError(
+        f"cannot page the state of a {cls.__name__} optimizer; expected one of torch.optim."
+        f"{{{', '.join(SUPPORTED_OPTIMIZERS)}}} (or a subclass): their state is elementwise, "
+        "so rows of it can live in a table"
+    )
+
+
+class StateLayout(NamedTuple):
+    """What an optimizer keeps for one parameter.
+
+    Attributes
+    ----------
+    row_keys : tuple of str
+        State entries with the parameter's shape (paged by rows).
+    init_rows : dict
+        For each row key, the 1-row value torch gives a fresh parameter.
+    init_scalars : dict
+        Scalar entries (0-d tensors or numbers) as torch creates them.
+    sparse_grad : bool
+        Whether the optimizer wants sparse gradients (SparseAdam).
+    """
+
+    row_keys: tuple[str, ...]
+    init_rows: dict[str, torch.Tensor]
+    init_scalars: dict[str, Any]
+    sparse_grad: bool
+
+
+def _snapshot(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+class _RecordingDict(dict):  # type: ignore[type-arg]
+    """A per-parameter state dict that remembers each entry's value when first set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first: dict[Any, Any] = {}
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key not in self.first:
+            self.first[key] = _snapshot(value)
+        super().__setitem__(key, value)
+
+
+def _group_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any]:
+    for group in optimizer.param_groups:
+        if any(p is param for p in group["params"]):
+            return group
+    raise GadgetKeyError(
+        "the model variable is not among the optimizer's parameters; create the optimizer "
+        "over the model's parameters (e.g. torch.optim.Adam(model.parameters()))"
+    )
+
+
+def probe_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> StateLayout:
+    """Find the per-row and scalar state ``optimizer`` keeps for ``param``.
+
+    Notes
+    -----
+    Runs one step of a fresh optimizer of the same class and hyper-parameters on a
+    one-row zero parameter with a zero gradient, on ``param``'s device and dtype,
+    and records state entries as torch creates them. The user's optimizer is not
+    touched.
+    """
+    name = supported_name(optimizer)
+    cls = type(optimizer)
+    group = _group_of(optimizer, param)
+    hyper = {k: v for k, v in group.items() if k != "params"}
+    if param.dim() < 1:
+        raise GadgetValueError(
+            f"a paged parameter needs a row axis; got shape {tuple(param.shape)}"
+        )
+    probe = torch.zeros(
+        (1, *param.shape[1:]), dtype=param.dtype, device=param.device, requires_grad=True
+    )
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in hyper.items() if k in accepted}
+    try:
+        probe_opt = cls([probe], **kwargs)
+    except Exception as exc:
+        raise GadgetTypeError(
+            f"could not build a {cls.__name__} like the given one to find its state ({exc})"
+        ) from exc
+    for k, v in hyper.items():
+        probe_opt.param_groups[0].setdefault(k, v)
+    before = {k: _snapshot(v) for k, v in probe_opt.state.get(probe, {}).items()}
+    recording: defaultdict[Any, Any] = defaultdict(_RecordingDict)
+    rec = recording[probe]
+    for k, v in probe_opt.state.get(probe, {}).items():
+        rec[k] = v
+    rec.first.update(before)
+    probe_opt.state = recording
+    sparse = name == "SparseAdam"
+    zero = torch.zeros_like(probe)
+    if sparse:
+        idx = torch.zeros((1, 1), dtype=torch.int64, device=param.device)
+        probe.grad = torch.sparse_coo_tensor(
+            idx, zero.detach(), probe.shape, check_invariants=False
+        )
+    else:
+        probe.grad = zero.detach()
+    probe_opt.step()
+    state = probe_opt.state[probe]
+    row_keys: list[str] = []
+    init_rows: dict[str, torch.Tensor] = {}
+    init_scalars: dict[str, Any] = {}
+    for key, value in state.items():
+        first = rec.first.get(key, value)
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(probe.shape):
+            row_keys.append(key)
+            init_rows[key] = (
+                first.detach().clone()
+                if isinstance(first, torch.Tensor)
+                else torch.zeros_like(value)
+            )
+        elif not isinstance(value, torch.Tensor) or value.dim() == 0:
+            init_scalars[key] = _snapshot(first)
+        else:
+            raise GadgetTypeError(
+                f"{cls.__name__} keeps state {key!r} of shape {tuple(value.shape)} for a parameter "
+                f"of shape {tuple(probe.shape)}; only row-shaped and scalar state can be paged "
+                f"(supported: {', '.join(SUPPORTED_OPTIMIZERS)})"
+            )
+    return StateLayout(tuple(row_keys), init_rows, init_scalars, sparse)
+
+
+class StatePager:
+    """Pages the row-shaped optimizer state of one parameter between tables and the optimizer.
+
+    Parameters
+    ----------
+    optimizer : torch.optim.Optimizer
+        Holds ``param``; its scalar state for ``param`` stays where torch keeps it.
+    param : torch.Tensor
+        The per-step variable (a batch's rows of one table).
+    num_rows : int
+        Rows of the full table.
+    placement : str
+        Where the state tables live (``'pinned'``, ``'cuda'``, ``'cpu'``).
+    dtype : torch.dtype, optional
+        Dtype of the state tables (default: what torch uses for the state).
+
+    Notes
+    -----
+    Each step moves, per row-shaped state entry, the batch's distinct rows in
+    (one gather) and out (one scatter): Adam over a float32 table moves 3x the
+    rows' bytes each way (weights plus two moments).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        param: torch.Tensor,
+        num_rows: int,
+        *,
+        placement: str,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.optimizer = optimizer
+        self.param = param
+        self.layout = probe_state(optimizer, param)
+        row_shape = tuple(param.shape[1:])
+        self.tables: dict[str, DataGadget] = {}
+        for key in self.layout.row_keys:
+            init = self.layout.init_rows[key]
+            table = DataGadget(
+                shape=(num_rows, *row_shape),
+                dtype=dtype if dtype is not None else init.dtype,
+                placement=placement,
+                device=param.device,
+            )
+            fill = init.reshape(row_shape)
+            if torch.all(fill == fill.reshape(-1)[0]).item():
+                table.fill_(float(fill.reshape(-1)[0].item()) if fill.numel() else 0.0)
+            else:
+                table.init_(lambda t, f=fill: t.copy_(f.to(t.device, t.dtype).expand_as(t)))
+            self.tables[key] = table
+        state = optimizer.state[param]
+        for key, value in self.layout.init_scalars.items():
+            if key not in state:
+                state[key] = _snapshot(value)
+
+    @property
+    def row_keys(self) -> tuple[str, ...]:
+        return self.layout.row_keys
+
+    def load(self, plan: RowPlan, capacity: int | None = None) -> None:
+        """Gather the plan's rows of every state table into the optimizer's state.
+
+        With ``capacity`` (> the plan's rows) the state tensors get that many rows,
+        the extra ones holding a fresh row's state (padding of the model variable).
+        """
+        state = self.optimizer.state[self.param]
+        dev = self.param.device
+        n = plan.num_rows
+        cap = n if capacity is None else max(n, capacity)
+        for key, table in self.tables.items():
+            store = table.store
+            ids = plan.ids.to(store.ids_device(dev))
+            init = self.layout.init_rows[key]
+            if cap == n:
+                rows = store.gather(ids, dev)
+            else:
+                rows = torch.empty((cap, *store.row_shape), dtype=store.dtype, device=dev)
+                store.gather(ids, dev, out=rows[:n])
+                rows[n:].copy_(init.to(dev, store.dtype).expand(cap - n, *store.row_shape))
+            state[key] = rows if rows.dtype == init.dtype else rows.to(init.dtype)
+        for key, value in self.layout.init_scalars.items():
+            if key not in state:
+                state[key] = _snapshot(value)
+
+    def store_back(self, plan: RowPlan) -> None:
+        """Scatter the optimizer's state rows back to the tables (last occurrence wins)."""
+        state = self.optimizer.state[self.param]
+        for key, table in self.tables.items():
+            rows = state.get(key)
+            if rows is None:
+                continue
+            store = table.store
+            rows = rows[: plan.num_rows]
+            if rows.dtype != table.dtype:
+                rows = rows.to(table.dtype)
+            ids = plan.ids.to(store.ids_device(rows.device))
+            store.scatter(ids, rows.detach())
+
+    def scalar_state(self) -> dict[str, Any]:
+        """The scalar entries (``step``, ...) torch keeps for the parameter."""
+        state = self.optimizer.state.get(self.param, {})
+        return {k: _snapshot(state[k]) for k in self.layout.init_scalars if k in state}
+
+    def set_scalar_state(self, values: dict[str, Any]) -> None:
+        """Restore scalar entries, keeping torch's types, devices and in-place identity."""
+        state = self.optimizer.state[self.param]
+        for key, value in values.items():
+            cur = state.get(key)
+            if isinstance(cur, torch.Tensor) and isinstance(value, torch.Tensor):
+                cur.copy_(value.to(cur.device, cur.dtype))
+            else:
+                state[key] = (
+                    _snapshot(value)
+                    if not isinstance(cur, torch.Tensor)
+                    else torch.as_tensor(value, dtype=cur.dtype, device=cur.device)
+                )
+
+
+def resolve_named_parameter(model: torch.nn.Module, variable_name: str) -> torch.nn.Parameter:
+    """``model.<variable_name>.weight`` (SpeedTorch's convention) or the parameter of that name.
+
+    Raises
+    ------
+    GadgetKeyError
+        When no such variable exists; the message lists the model's variables.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise GadgetTypeError(f"model must be an nn.Module; got {type(model).__name__}")
+    params = dict(model.named_parameters())
+    for name in (f"{variable_name}.weight", variable_name):
+        if name in params:
+            return params[name]
+    known = sorted({n.removesuffix(".weight") for n in params})
+    raise GadgetKeyError(
+        f"the model has no variable named {variable_name!r}; expected one of {known} "
+        "(the attribute name of the embedding module, e.g. 'u_embeddings')"
+    )
+
+
+class OptimizerSwitch:
+    """Pages one model variable's optimizer state between full tables and the optimizer.
+
+    The implementation behind ``OptimizerFactory`` and ``PytorchOptimizerFactory``.
+    It follows the row layout of the :class:`~gadgetloader.switching.ModelSwitch`
+    of the same variable (merged or separate duplicates), so both always agree.
+
+    Parameters
+    ----------
+    given_optimizer : torch.optim.Optimizer
+        The optimizer built over the model's parameters; one of
+        :data:`SUPPORTED_OPTIMIZERS`, with any foreach / fused / capturable setting.
+    total_classes, embed_dimension : int
+        The full table's shape.
+    model : nn.Module
+        The model holding the variable.
+    variable_name : str
+        The variable's attribute name in the model (``'u_embeddings'``).
+    dtype : str or dtype, optional
+        Dtype of the state tables (default: the state's own dtype).
+    placement : str
+        Where the state tables live.
+    """
+
+    def __init__(
+        self,
+        given_optimizer: torch.optim.Optimizer,
+        total_classes: int,
+        embed_dimension: int,
+        model: torch.nn.Module,
+        variable_name: str,
+        *,
+        dtype: Any = None,
+        placement: str = "pinned",
+    ) -> None:
+        from .._dtypes import as_torch_dtype
+
+        self.optimizer_name = supported_name(given_optimizer)
+        self.optimizer = given_optimizer
+        self.param = resolve_named_parameter(model, variable_name)
+        _group_of(given_optimizer, self.param)
+        row_shape = tuple(self.param.shape[1:])
+        if row_shape != (int(embed_dimension),):
+            raise GadgetValueError(
+                f"embed_dimension={embed_dimension} but {variable_name!r} has rows of shape {row_shape}"
+            )
+        if int(total_classes) <= 0:
+            raise GadgetValueError(f"total_classes must be positive; got {total_classes}")
+        self.total_classes = int(total_classes)
+        self.embed_dimension = int(embed_dimension)
+        self.variable_name = variable_name
+        self._dtype = as_torch_dtype(dtype) if dtype is not None else None
+        self._placement = placement
+        self.pager: StatePager | None = None
+        self._own_cache: tuple[Any, Any, RowPlan] | None = None
+
+    def __repr__(self) -> str:
+        keys = list(self.pager.row_keys) if self.pager is not None else "(call optInit)"
+        return f"{type(self).__name__}({self.optimizer_name}, variable={self.variable_name!r}, state={keys})"
+
+    @property
+    def tables(self) -> dict[str, DataGadget]:
+        """The state tables by state name (after :meth:`optInit`)."""
+        return dict(self._need_pager().tables)
+
+    def optInit(self) -> None:
+        """Create the state tables, filled as torch initialises a fresh parameter's state."""
+        if self.pager is not None:
+            for t in self.pager.tables.values():
+                t.close()
+        self.pager = StatePager(
+            self.optimizer,
+            self.param,
+            self.total_classes,
+            placement=self._placement,
+            dtype=self._dtype,
+        )
+
+    def _need_pager(self) -> StatePager:
+        if self.pager is None:
+            raise GadgetValueError("call optInit() before using the optimizer switcher")
+        return self.pager
+
+    def _plan(self, pos: Any, neg: Any) -> RowPlan:
+        from ._model import _as_id_parts, switch_for
+        from ._rows import plan_rows
+
+        sw = switch_for(self.param)
+        if sw is not None:
+            return sw.plan(pos, neg)
+        c = self._own_cache
+        if c is not None and c[0] is pos and c[1] is neg:
+            return c[2]
+        plan = plan_rows(
+            _as_id_parts(pos, neg, self.total_classes, self.param.device),
+            "merge",
+            self.total_classes,
+        )
+        self._own_cache = (pos, neg, plan)
+        return plan
+
+    def beforeForwardPass(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:
+        """Gather these ids' state rows into the optimizer's state for the variable."""
+        from ._model import switch_for
+
+        pager = self._need_pager()
+        plan = self._plan(retrievedPosIndexes, retrievedNegIndexes)
+        sw = switch_for(self.param)
+        pager.load(plan, sw.capacity_for(plan) if sw is not None else int(plan.local.numel()))
+
+    def afterOptimizerStep(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:
+        """Scatter the updated state rows back into the tables."""
+        pager = self._need_pager()
+        pager.store_back(self._plan(retrievedPosIndexes, retrievedNegIndexes))

@@ -1,0 +1,97 @@
+"""Which table rows a batch touches: merge repeated ids into one local row each.
+
+A batch of global row ids (any shape, repeats allowed) becomes a :class:`RowPlan`:
+the distinct ids in ascending order (the rows to gather and scatter) and, for
+every position of the batch, its *local* id -- the row of the small per-batch
+variable that holds it. Every occurrence of a repeated id maps to the same local
+row, so autograd sums the gradients of all its occurrences exactly as it would for
+a full-table parameter.
+
+The SpeedTorch protocol (``variableTransformer``) instead lays the rows out one per
+position (``duplicates='separate'``): repeats become separate rows, each updated on
+its own, and the last one written back wins. That mode is kept for old loops.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .._ids import check_range
+
+__all__ = ["DUPLICATE_MODES", "RowPlan", "plan_rows", "split_local"]
+
+#: ``merge``: one local row per distinct id (exact); ``separate``: one row per position
+DUPLICATE_MODES: tuple[str, ...] = ("merge", "separate")
+
+
+class RowPlan(NamedTuple):
+    """Rows of one step.
+
+    Attributes
+    ----------
+    ids : torch.Tensor
+        1-D int64 global ids, one per local row (sorted and distinct for ``merge``).
+    local : torch.Tensor
+        1-D int64 local row of every batch position (flattened ``pos`` then ``neg``).
+    shapes : tuple of tuple of int
+        Shapes of the id tensors the plan was built from, to split ``local`` again.
+    """
+
+    ids: torch.Tensor
+    local: torch.Tensor
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the per-step variable."""
+        return int(self.ids.numel())
+
+
+def plan_rows(
+    parts: tuple[torch.Tensor, ...], mode: str = "merge", num_rows: int | None = None
+) -> RowPlan:
+    """Build the plan for the int64 id tensors ``parts`` (all on one device).
+
+    With ``num_rows`` the ids are range-checked here (on the distinct ids for
+    ``merge``: one synchronisation that the sort needs anyway), so callers can
+    convert ids with ``as_ids(..., check=False)``.
+
+    Raises
+    ------
+    GadgetIndexError
+        An id outside ``[0, num_rows)``; nothing has been read or written.
+
+    Notes
+    -----
+    ``merge`` runs one ``torch.unique(sorted=True, return_inverse=True)``; on CUDA that
+    is a sort plus one stream synchronisation (the number of distinct rows sizes the
+    per-step variable). Sorted distinct ids also make the later gather and scatter walk
+    the table in address order. The local ids preserve the order of the global ids, so
+    gradient accumulation for repeats runs in the same order as for a full table.
+    """
+    shapes = tuple(tuple(p.shape) for p in parts)
+    flat = parts[0].reshape(-1) if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])
+    if mode == "separate":
+        if num_rows is not None:
+            check_range(flat, num_rows)
+        local = torch.arange(flat.numel(), device=flat.device)
+        return RowPlan(flat, local, shapes)
+    uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+    if num_rows is not None and uniq.numel():
+        check_range(uniq[:: max(1, uniq.numel() - 1)], num_rows)  # sorted: the ends suffice
+    return RowPlan(uniq, inverse.reshape(-1), shapes)
+
+
+def split_local(plan: RowPlan) -> tuple[torch.Tensor, ...]:
+    """The local ids of each input tensor, in that tensor's shape."""
+    out = []
+    start = 0
+    for shape in plan.shapes:
+        n = 1
+        for s in shape:
+            n *= s
+        out.append(plan.local[start : start + n].view(shape))
+        start += n
+    return tuple(out)
