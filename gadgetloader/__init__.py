@@ -26,14 +26,45 @@ from ._errors import (
     MissingDependencyError,
     ReadOnlyError,
 )
+from .data import GadgetBatch, GadgetDataset, GadgetLoader, GadgetSampler
 from .gadget import DataGadget
+from .switching import (
+    SUPPORTED_OPTIMIZERS,
+    ModelFactory,
+    ModelSwitch,
+    OffloadedEmbedding,
+    OffloadedEmbeddingBag,
+    OffloadedOptimizer,
+    OptimizerFactory,
+    OptimizerSwitch,
+    PytorchModelFactory,
+    PytorchOptimizerFactory,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PLACEMENTS",
     "SUPPORTED_DTYPES",
+    "SUPPORTED_OPTIMIZERS",
     "DataGadget",
+    "GadgetBatch",
+    "GadgetDataset",
+    "GadgetLoader",
+    "GadgetSampler",
+    "ModelFactory",
+    "ModelSwitch",
+    "OffloadedEmbedding",
+    "OffloadedEmbeddingBag",
+    "OffloadedOptimizer",
+    "OptimizerFactory",
+    "OptimizerSwitch",
+    "PytorchModelFactory",
+    "PytorchOptimizerFactory",
+    "load_checkpoint",
+    "save_checkpoint",
     "FallbackWarning",
     "GadgetClosedError",
     "GadgetError",

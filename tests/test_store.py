@@ -212,3 +212,11 @@ def test_as_tensor_is_zero_copy(placement: str, device: torch.device) -> None:
     t = g.as_tensor()
     t[3].fill_(5.0)
     assert g.getData([3]).cpu().eq(5.0).all()
+
+
+def test_scalar_id_on_a_one_dimensional_table(placement: str, device: torch.device) -> None:
+    g = gl.DataGadget(np.arange(5, dtype=np.int64) * 10, placement=placement, device=device)
+    assert g.getData(3).shape == () and int(g.getData(3)) == 30
+    assert g.getData([4, 0]).cpu().tolist() == [40, 0]
+    g.insertData(torch.tensor([7, 9]), [1, 1])
+    assert int(g.getData(1)) == 9

@@ -8,6 +8,7 @@ same number of bytes is measured in the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import tempfile
 from collections.abc import Callable
@@ -43,6 +44,21 @@ def _random_table(rows: int, width: int, dtype: torch.dtype, gen: torch.Generato
     return torch.randint(
         max(info.min, -1000), min(info.max, 1000), (rows, width), generator=gen
     ).to(dtype)
+
+
+def _then(action: Callable[[], Any], check: Callable[[], bool]) -> Callable[[], bool]:
+    """A check that first runs ``action``."""
+
+    def run() -> bool:
+        action()
+        return check()
+
+    return run
+
+
+def _same(fn: Callable[[], torch.Tensor], ref: torch.Tensor) -> Callable[[], bool]:
+    """A check that ``fn()`` equals ``ref`` exactly (on the CPU)."""
+    return lambda: bool(torch.equal(fn().cpu(), ref.cpu()))
 
 
 class _Case:
@@ -134,24 +150,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     _Case(
                         "gadgetloader pinned (CPU ids)",
                         "gather",
-                        (lambda g=g: g.getData(ids_cpu, out=out_buf)),
-                        (lambda g=g: equal(g.getData(ids_cpu), ref_gather)),
+                        functools.partial(g.getData, ids_cpu, out=out_buf),
+                        _same(functools.partial(g.getData, ids_cpu), ref_gather),
                     )
                 )
                 cases.append(
                     _Case(
                         "gadgetloader pinned (check_ids=False)",
                         "gather",
-                        (lambda g=g: g.getData(ids, out=out_buf, check_ids=False)),
-                        (lambda g=g: equal(g.getData(ids, check_ids=False), ref_gather)),
+                        functools.partial(g.getData, ids, out=out_buf, check_ids=False),
+                        _same(functools.partial(g.getData, ids, check_ids=False), ref_gather),
                     )
                 )
             cases.append(
                 _Case(
                     f"gadgetloader {placement}",
                     "gather",
-                    (lambda g=g: g.getData(ids, out=out_buf)),
-                    (lambda g=g: equal(g.getData(ids), ref_gather)),
+                    functools.partial(g.getData, ids, out=out_buf),
+                    _same(functools.partial(g.getData, ids), ref_gather),
                 )
             )
             if placement == "pinned":
@@ -160,8 +176,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     _Case(
                         "zero-copy torch index_select (pinned view)",
                         "gather",
-                        (lambda v=view: torch.index_select(v, 0, ids, out=out_buf)),
-                        (lambda v=view: equal(torch.index_select(v, 0, ids), ref_gather)),
+                        functools.partial(torch.index_select, view, 0, ids, out=out_buf),
+                        _same(functools.partial(torch.index_select, view, 0, ids), ref_gather),
                     )
                 )
         cases.append(
@@ -197,7 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "torch naive: t[idx] = v.cpu()",
                 "scatter",
                 naive_scatter,
-                lambda: (naive_scatter(), equal(pinned_t, after))[1],
+                _then(naive_scatter, functools.partial(equal, pinned_t, after)),
             )
         )
 
@@ -223,15 +239,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             g = DataGadget(host, placement=placement)
             keep.append(g)
 
-            def chk(g: Any = g) -> bool:
-                g.insertData(rows_dev, uids)
-                return equal(g.getData(torch.arange(args.rows, device=dev)), after)
+            every = torch.arange(args.rows, device=dev)
+            chk = _then(
+                functools.partial(g.insertData, rows_dev, uids),
+                _same(functools.partial(g.getData, every), after),
+            )
 
             cases.append(
                 _Case(
                     f"gadgetloader {placement}",
                     "scatter",
-                    (lambda g=g: g.insertData(rows_dev, uids)),
+                    functools.partial(g.insertData, rows_dev, uids),
                     chk,
                 )
             )
@@ -240,7 +258,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "torch GPU-resident index_copy_",
                 "scatter",
                 lambda: resident.index_copy_(0, uids, rows_dev),
-                lambda: (resident.index_copy_(0, uids, rows_dev), equal(resident, after))[1],
+                _then(lambda: resident.index_copy_(0, uids, rows_dev), lambda: equal(resident, after)),
             )
         )
 
@@ -278,7 +296,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "torch naive: t[idx] = v",
                 "scatter",
                 lambda: t2.__setitem__(uids_cpu, new_rows),
-                lambda: (t2.__setitem__(uids_cpu, new_rows), equal(t2, after))[1],
+                _then(lambda: t2.__setitem__(uids_cpu, new_rows), lambda: equal(t2, after)),
             )
         )
         g2 = DataGadget(host, placement="cpu", device="cpu")
@@ -288,10 +306,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "gadgetloader cpu",
                 "scatter",
                 lambda: g2.insertData(new_rows, uids_cpu),
-                lambda: (
-                    g2.insertData(new_rows, uids_cpu),
-                    equal(g2.getData(torch.arange(args.rows)), after),
-                )[1],
+                _then(
+                    lambda: g2.insertData(new_rows, uids_cpu),
+                    lambda: equal(g2.getData(torch.arange(args.rows)), after),
+                ),
             )
         )
 

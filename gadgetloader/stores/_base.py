@@ -134,7 +134,7 @@ class Store(abc.ABC):
         hv = self.host_view()
         if hv is not None:
             rows = torch.index_select(hv, 0, ids.reshape(-1).cpu())
-            rows = rows.view(*ids.shape, *self.row_shape)
+            rows = rows.view(tuple(ids.shape) + self.row_shape)
         else:
             assert dv is not None
             rows = _engine.gather(dv, ids.to(dv.device), strategy=strategy)

@@ -132,7 +132,7 @@ def gather(
         )
     flat_out = out.view(n, *row_shape)
     if n == 0 or math.prod(row_shape) == 0:
-        return out.view(*ids.shape, *row_shape)
+        return out.view(tuple(ids.shape) + row_shape)
     how = resolve_strategy(strategy, table, n, host)
     if how == "hybrid":
         assert host is not None
@@ -146,7 +146,7 @@ def gather(
             _kernels.launch_gather(table, sorted_ids, flat_out, pos)
         else:
             _kernels.launch_gather(table, flat, flat_out)
-    return out.view(*ids.shape, *row_shape)
+    return out.view(tuple(ids.shape) + row_shape)
 
 
 def _hybrid_gather(table: torch.Tensor, host: torch.Tensor, flat: torch.Tensor, out: torch.Tensor) -> None:

@@ -1,0 +1,385 @@
+"""The input-pipeline benchmark: GPU batches per second, four ways, side by side.
+
+(a) the per-sample torch way a user would write: a ``Dataset`` over
+``np.load(mmap_mode='r')``, ``DataLoader(batch_size=B, shuffle=True,
+pin_memory=True)`` with 0 workers and the best of a few worker counts, then
+``.cuda()``; (b) ``DataLoader(GadgetDataset)``, the default form; (c) the fast form
+with a :class:`~gadgetloader.GadgetSampler` as batch sampler; (d)
+:class:`~gadgetloader.GadgetLoader` with GPU prefetch. (b)-(d) run over the table
+in RAM (``pinned``; ``cpu`` without CUDA) and file-backed (``placement='file'``,
+where that placement exists).
+
+Every row of the table encodes its own row number in its first three elements,
+so each method's first batch is checked against the file with NumPy before it
+is timed, whatever order it drew. The pinned memcpy ceiling is measured in the
+same run; on CUDA every method is also reported as a fraction of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ._common import format_table, measure_memcpy
+
+__all__ = ["add_arguments", "run"]
+
+_DTYPES = ("float32", "float64", "float16", "int32", "int64")
+_BASE = 256  # row ids are written in base 256 over 3 elements: exact in every dtype above
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rows", type=int, default=1 << 20, help="table rows (default 1,048,576)")
+    p.add_argument("--width", type=int, default=128, help="elements per row (default 128, >= 3)")
+    p.add_argument("--dtype", default="float32", choices=_DTYPES, help="table dtype")
+    p.add_argument("--batch", type=int, default=4096, help="rows per batch (default 4096)")
+    p.add_argument(
+        "--batches", type=int, default=200, help="timed batches per run, at most (default 200)"
+    )
+    p.add_argument(
+        "--seconds", type=float, default=2.0, help="stop a timed run after this long (default 2)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per method (median)")
+    p.add_argument(
+        "--workers",
+        default="0,2,4,8",
+        help="worker counts tried for the per-sample torch DataLoader (default 0,2,4,8)",
+    )
+    p.add_argument(
+        "--sources",
+        default="memory,file",
+        help="where gadgetloader reads: memory (pinned / cpu) and/or file (default both)",
+    )
+    p.add_argument("--prefetch", type=int, default=2, help="GadgetLoader prefetch depth")
+    p.add_argument("--dir", default=None, help="directory for the benchmark's .npy file")
+    p.add_argument("--seed", type=int, default=0)
+
+
+# ---- the table ---------------------------------------------------------------------------------
+def _write_table(path: str, rows: int, width: int, dtype: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.dtype(dtype), shape=(rows, width))
+    step = max(1, (32 << 20) // (width * arr.dtype.itemsize))
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        block = rng.integers(0, 100, size=(stop - start, width)).astype(arr.dtype)
+        ids = np.arange(start, stop)
+        block[:, 0] = ids // (_BASE * _BASE)
+        block[:, 1] = (ids // _BASE) % _BASE
+        block[:, 2] = ids % _BASE
+        arr[start:stop] = block
+    arr.flush()
+    del arr
+
+
+def _check_batch(batch: torch.Tensor, ref: np.ndarray, expect_rows: int) -> bool:
+    """The batch's rows equal the file's rows whose numbers they encode."""
+    host = batch.detach().cpu().numpy()
+    if host.shape != (expect_rows, ref.shape[1]):
+        return False
+    ids = (
+        host[:, 0].astype(np.int64) * _BASE * _BASE
+        + host[:, 1].astype(np.int64) * _BASE
+        + host[:, 2].astype(np.int64)
+    )
+    if ids.min() < 0 or ids.max() >= ref.shape[0]:
+        return False
+    return bool(np.array_equal(host, np.asarray(ref[ids])))
+
+
+# ---- (a) the per-sample torch way ---------------------------------------------------------------
+class _NpyRows(Dataset[torch.Tensor]):
+    """What a user writes: one row per ``__getitem__`` from a memory-mapped .npy."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.rows = int(np.load(path, mmap_mode="r").shape[0])
+        self.arr: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.arr is None:  # opened in each worker
+            self.arr = np.load(self.path, mmap_mode="r")
+        return torch.from_numpy(np.array(self.arr[i]))
+
+
+# ---- timing ------------------------------------------------------------------------------------
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _endless(make_iter: Callable[[], Iterable[Any]]) -> Iterator[Any]:
+    while True:
+        yield from make_iter()
+
+
+def _same(obj: Any) -> Any:
+    return obj
+
+
+def _first(batch: Any) -> torch.Tensor:
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+
+def _time_method(
+    make_iter: Callable[[], Iterable[Any]],
+    move: Callable[[Any], torch.Tensor],
+    *,
+    batch: int,
+    batches: int,
+    seconds: float,
+    repeats: int,
+) -> float:
+    """Median rows per second over ``repeats`` runs of up to ``batches`` batches."""
+    stream = _endless(make_iter)
+    for _ in range(2):  # warm-up: worker start, first epoch order, allocator
+        move(next(stream))
+    _sync()
+    rates = []
+    for _ in range(repeats):
+        rows = 0
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            out = move(next(stream))
+            rows += out.shape[0]
+            if time.perf_counter() - t0 > seconds:
+                break
+        _sync()
+        rates.append(rows / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
+# ---- the benchmark -----------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the pipeline benchmark; returns a JSON-able dict and prints a table."""
+    from .._device import cupy_available
+    from ..data import GadgetDataset, GadgetLoader, GadgetSampler
+    from ..data._sampler import chunk_rows_of
+    from ..gadget import DataGadget
+
+    if args.width < 3:
+        raise ValueError(f"--width must be >= 3 (rows carry their id); got {args.width}")
+    if args.rows >= _BASE**3:
+        raise ValueError(f"--rows must be < {_BASE**3}; got {args.rows}")
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda") if cuda else torch.device("cpu")
+    row_bytes = args.width * np.dtype(args.dtype).itemsize
+    B = min(args.batch, args.rows)
+    workers = sorted({int(w) for w in str(args.workers).split(",") if w.strip() != ""} | {0})
+    sources = [s.strip() for s in str(args.sources).split(",") if s.strip()]
+    timing = {"batch": B, "batches": args.batches, "seconds": args.seconds, "repeats": args.repeats}
+    results: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    tmp = tempfile.mkdtemp(prefix="gadgetloader-pipeline-", dir=args.dir)
+    try:
+        path = os.path.join(tmp, "table.npy")
+        _write_table(path, args.rows, args.width, args.dtype, args.seed)
+        ref = np.load(path, mmap_mode="r")
+        link = measure_memcpy(min(1 << 30, max(64 << 20, args.rows * row_bytes))) if cuda else {}
+        limit = link.get("h2d_GBps")
+
+        def record(
+            source: str,
+            method: str,
+            make_iter: Callable[[], Iterable[Any]],
+            move: Callable[[Any], torch.Tensor],
+            **extra: Any,
+        ) -> None:
+            entry: dict[str, Any] = {"source": source, "method": method, **extra}
+            try:
+                first = move(next(iter(make_iter())))
+                _sync()
+                entry["check"] = "ok" if _check_batch(first, ref, B) else "MISMATCH"
+                if entry["check"] == "ok":
+                    rate = _time_method(make_iter, move, **timing)  # type: ignore[arg-type]
+                    entry["rows_per_s"] = rate
+                    entry["GBps"] = rate * row_bytes / 1e9
+                    entry["of_limit"] = entry["GBps"] / limit if limit else None
+            except Exception as exc:  # report, keep benchmarking the others
+                entry["check"] = "error"
+                entry["error"] = f"{type(exc).__name__}: {exc}"
+            results.append(entry)
+
+        # (a) per-sample torch DataLoader over np.load(mmap_mode='r')
+        rows_ds = _NpyRows(path)
+
+        def to_dev(b: Any) -> torch.Tensor:
+            return b.to(dev, non_blocking=True)
+
+        best_torch: dict[str, Any] | None = None
+        for w in workers:
+            loader = DataLoader(
+                rows_ds,
+                batch_size=B,
+                shuffle=True,
+                pin_memory=cuda,
+                num_workers=w,
+                persistent_workers=w > 0,
+            )
+            record(
+                "npy mmap",
+                "(a) torch per-sample DataLoader",
+                functools.partial(_same, loader),
+                to_dev,
+                workers=w,
+            )
+            entry = results[-1]
+            if "rows_per_s" in entry and (
+                best_torch is None or entry["rows_per_s"] > best_torch["rows_per_s"]
+            ):
+                best_torch = entry
+
+        # (b)-(d) gadgetloader, per source
+        file_ok = _file_placement_available()
+        for source in sources:
+            if source == "memory":
+                where = "pinned" if cuda and cupy_available() else "cpu"
+                label = f"memory ({where})"
+                options: dict[str, Any] = {}
+            elif source == "file":
+                if not file_ok:
+                    skipped.append("file: the 'file' placement is not available in this build")
+                    continue
+                where, label, options = "file", "file (npy)", {}
+            else:
+                skipped.append(f"unknown source {source!r} (expected memory, file)")
+                continue
+            try:
+                gadget = DataGadget(path, placement=where, device=dev, **options)
+            except Exception as exc:
+                skipped.append(f"{label}: {type(exc).__name__}: {exc}")
+                continue
+            with contextlib.closing(gadget):
+                ds = GadgetDataset(gadget, device=dev)
+
+                def first_col(b: Any) -> torch.Tensor:
+                    return _first(b)
+
+                record(
+                    label,
+                    "(b) DataLoader(GadgetDataset) default",
+                    functools.partial(DataLoader, ds, batch_size=B, shuffle=True),
+                    first_col,
+                )
+                orders = ["random"]
+                if where == "file" and chunk_rows_of(gadget.store):
+                    orders.append("chunk")
+                for order in orders:
+                    sampler = GadgetSampler(ds, batch_size=B, order=order, seed=args.seed)
+                    record(
+                        label,
+                        f"(c) DataLoader + GadgetSampler ({order})",
+                        functools.partial(DataLoader, ds, batch_sampler=sampler),
+                        first_col,
+                    )
+                    gl = GadgetLoader(
+                        ds, batch_size=B, order=order, seed=args.seed, prefetch=args.prefetch
+                    )
+                    record(
+                        label,
+                        f"(d) GadgetLoader prefetch={args.prefetch} ({order})",
+                        functools.partial(_same, gl),
+                        first_col,
+                    )
+                del ds
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    base = best_torch["rows_per_s"] if best_torch else None
+    for r in results:
+        if "rows_per_s" in r and base:
+            r["x_torch"] = r["rows_per_s"] / base
+
+    def rate(prefix: str, source_prefix: str = "memory") -> float | None:
+        vals = [
+            r["rows_per_s"]
+            for r in results
+            if r["method"].startswith(prefix)
+            and r["source"].startswith(source_prefix)
+            and "rows_per_s" in r
+        ]
+        return max(vals) if vals else None
+
+    fast, default = rate("(c)"), rate("(b)")
+    summary = {
+        "best_torch_rows_per_s": base,
+        "best_torch_workers": best_torch["workers"] if best_torch else None,
+        "memory_fast_x_torch": fast / base if fast and base else None,
+        "memory_fast_of_limit": (fast * row_bytes / 1e9) / limit if fast and limit else None,
+        "memory_default_vs_fast": fast / default if fast and default else None,
+    }
+    report = {
+        "benchmark": "pipeline",
+        "rows": args.rows,
+        "width": args.width,
+        "dtype": args.dtype,
+        "batch": B,
+        "row_bytes": row_bytes,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "link": link,
+        "results": results,
+        "summary": summary,
+        "skipped": skipped,
+    }
+    headers = ["source", "method", "workers", "rows/s", "GB/s", "of limit", "x torch", "check"]
+    table = [
+        [
+            r["source"],
+            r["method"],
+            r.get("workers"),
+            r.get("rows_per_s"),
+            r.get("GBps"),
+            r.get("of_limit"),
+            r.get("x_torch"),
+            r.get("check") if "error" not in r else r["error"][:60],
+        ]
+        for r in results
+    ]
+    print(
+        f"pipeline benchmark: table {args.rows} x {args.width} {args.dtype} "
+        f"({args.rows * row_bytes / 2**20:.1f} MiB), batch {B}, {report['device']}"
+        + (f", pinned memcpy {limit:.1f} GB/s" if limit else "")
+    )
+    print(format_table(headers, table))
+    print(
+        "fast form vs best per-sample torch: "
+        + (f"{summary['memory_fast_x_torch']:.1f}x" if summary["memory_fast_x_torch"] else "-")
+        + "; default form is "
+        + (
+            f"{summary['memory_default_vs_fast']:.2f}x"
+            if summary["memory_default_vs_fast"]
+            else "-"
+        )
+        + " slower than the fast form"
+        + (
+            f"; fast form at {summary['memory_fast_of_limit']:.0%} of the pinned memcpy limit"
+            if summary["memory_fast_of_limit"]
+            else ""
+        )
+    )
+    for s in skipped:
+        print(f"skipped: {s}")
+    return report
+
+
+def _file_placement_available() -> bool:
+    try:
+        from ..stores import _file  # noqa: F401
+    except ImportError:
+        return False
+    return True

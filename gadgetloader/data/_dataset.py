@@ -1,0 +1,308 @@
+"""GadgetDataset: one or more tables with the same rows, as a torch map-style Dataset.
+
+A batch of ids becomes one gather per column, delivered on the target device
+(the GPU where present). torch's ``DataLoader`` asks for a whole batch at once
+through :meth:`GadgetDataset.__getitems__`; the result is a one-element list
+holding a :class:`GadgetBatch`, which ``default_collate`` returns unchanged (the
+type is registered in torch's ``default_collate_fn_map``), so
+``DataLoader(GadgetDataset(...), batch_size=B, shuffle=True)`` yields already
+batched tensors with no per-sample work and no stacking.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data._utils.collate import default_collate_fn_map
+
+from .._device import cuda_available, cupy_available, resolve_device
+from .._errors import GadgetTypeError, GadgetValueError
+from .._ids import as_ids, check_range
+from ..gadget import DataGadget
+from ._sampler import chunk_rows_of
+
+__all__ = ["GadgetBatch", "GadgetDataset"]
+
+
+class GadgetBatch(tuple):  # type: ignore[type-arg]
+    """A batch: one tensor per column, each with the batch as its first axis.
+
+    A plain ``tuple`` otherwise (``x, y = batch``). ``DataLoader``'s
+    ``default_collate`` passes it through unchanged, its ``pin_memory=True`` pins
+    only CPU tensors, and :meth:`to` moves every column.
+    """
+
+    __slots__ = ()
+
+    def to(self, device: Any, *, non_blocking: bool = False) -> GadgetBatch:
+        """Every column on ``device`` (no copy for columns already there)."""
+        return GadgetBatch(t.to(device, non_blocking=non_blocking) for t in self)
+
+    def pin_memory(self) -> GadgetBatch:
+        """CPU columns in page-locked memory; GPU columns unchanged (DataLoader's hook)."""
+        return GadgetBatch(t.pin_memory() if t.device.type == "cpu" else t for t in self)
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Mark every CUDA column as used on ``stream`` (see ``Tensor.record_stream``)."""
+        for t in self:
+            if t.is_cuda:
+                t.record_stream(stream)
+
+    def __repr__(self) -> str:
+        return f"GadgetBatch({', '.join(repr(t) for t in self)})"
+
+
+def _collate_gadget_batches(
+    batch: Sequence[GadgetBatch], *, collate_fn_map: dict[Any, Any] | None = None
+) -> GadgetBatch:
+    """``default_collate`` for pre-batched results: one batch passes through unchanged;
+    several are concatenated along the batch axis."""
+    if len(batch) == 1:
+        return batch[0]
+    return GadgetBatch(torch.cat(list(cols)) for cols in zip(*batch, strict=True))
+
+
+# torch's documented extension point for default_collate (see its docstring)
+default_collate_fn_map.setdefault(GadgetBatch, _collate_gadget_batches)
+
+
+def _auto_placement(column: Any, device: torch.device) -> str:
+    if isinstance(column, torch.Tensor) and column.is_cuda:
+        return "cuda"
+    if device.type == "cuda" and cuda_available() and cupy_available():
+        return "pinned"
+    return "cpu"
+
+
+class GadgetDataset(Dataset[Any]):
+    """Columns with the same rows (features, labels, weights...) as a torch Dataset.
+
+    Parameters
+    ----------
+    *columns : DataGadget, str, path, numpy.ndarray or torch.Tensor
+        One or more tables with the same number of rows. Arrays, tensors and file
+        paths are loaded into a new :class:`~gadgetloader.DataGadget` (see
+        ``placement``); DataGadgets are used as they are. 1-D columns (labels)
+        give one value per row.
+    device : str or torch.device, optional
+        Where batches are delivered: the current CUDA device by default, the CPU
+        where CUDA is missing.
+    placement : str, optional
+        Placement for columns given as arrays, tensors or paths. Default: ``cuda``
+        for CUDA tensors, ``pinned`` where CUDA and CuPy are present, else ``cpu``
+        (all without a fallback warning). ``'file'`` opens paths file-backed.
+    **options
+        Passed to :class:`~gadgetloader.DataGadget` for paths (``dataset=``,
+        ``format=``, file-store options).
+
+    Notes
+    -----
+    ``ds[ids]`` (list, array, tensor, range or slice) costs one id check, one
+    host-to-device copy of the ids (from page-locked memory, asynchronous) and
+    one gather per column, all queued on the current CUDA stream; with
+    ``pinned`` columns the gather is a GPU kernel reading host RAM in place.
+
+    ``__getitems__`` returns ``[GadgetBatch]``: torch's ``default_collate`` hands
+    the batch through unchanged, so the default form needs no ``collate_fn``. A
+    custom ``collate_fn`` receives that one-element list (take ``batch[0]``).
+    With ``sampler=GadgetSampler(...), batch_size=None`` torch's
+    ``default_convert`` turns the tuple into a list of the same tensors.
+
+    In a ``DataLoader`` worker process (``num_workers > 0``) CUDA is never
+    touched: rows are gathered on the CPU (``pinned``, ``cpu`` and file
+    columns) and batches arrive as CPU tensors; ``cuda`` columns cannot be read
+    there. For in-memory tables ``num_workers=0`` is fastest: a batch is
+    already a single kernel.
+
+    Examples
+    --------
+    >>> import numpy as np, gadgetloader as gl
+    >>> from torch.utils.data import DataLoader
+    >>> x, y = np.ones((10, 4), np.float32), np.arange(10)
+    >>> ds = gl.GadgetDataset(x, y, placement="cpu", device="cpu")
+    >>> [tuple(t.shape) for t in next(iter(DataLoader(ds, batch_size=4)))]
+    [(4, 4), (4,)]
+    """
+
+    def __init__(
+        self,
+        *columns: Any,
+        device: Any = None,
+        placement: str | None = None,
+        **options: Any,
+    ) -> None:
+        if not columns:
+            raise GadgetValueError(
+                "GadgetDataset needs at least one column (a DataGadget, file path, array or tensor)"
+            )
+        self._device = resolve_device(device)
+        gadgets: list[DataGadget] = []
+        self._owned: list[DataGadget] = []
+        try:
+            for i, col in enumerate(columns):
+                gadgets.append(self._as_gadget(col, i, placement, options))
+        except BaseException:
+            self.close()
+            raise
+        self._columns = tuple(gadgets)
+        sizes = [len(g) for g in gadgets]
+        if len(set(sizes)) > 1:
+            self.close()
+            detail = ", ".join(f"column {i}: {s}" for i, s in enumerate(sizes))
+            raise GadgetValueError(f"all columns must have the same number of rows; got {detail}")
+        if sizes[0] == 0:
+            self.close()
+            raise GadgetValueError("the dataset is empty: its columns have 0 rows")
+        self._num_rows = sizes[0]
+
+    def _as_gadget(
+        self, col: Any, i: int, placement: str | None, options: dict[str, Any]
+    ) -> DataGadget:
+        if isinstance(col, DataGadget):
+            return col
+        if isinstance(col, (str, os.PathLike)):
+            where = placement or _auto_placement(col, self._device)
+            g = DataGadget(col, placement=where, device=self._device, **options)
+        elif isinstance(col, (torch.Tensor, np.ndarray)) or hasattr(
+            col, "__cuda_array_interface__"
+        ):
+            if getattr(col, "ndim", 1) == 0:
+                raise GadgetValueError(
+                    f"column {i} is a 0-d value; a column needs one row per sample"
+                )
+            where = placement or _auto_placement(col, self._device)
+            g = DataGadget(col, placement=where, device=self._device)
+        else:
+            raise GadgetTypeError(
+                f"column {i} must be a DataGadget, a file path, an array or a tensor; "
+                f"got {type(col).__name__}"
+            )
+        self._owned.append(g)
+        return g
+
+    # ---- facts -------------------------------------------------------------------------------
+    @property
+    def columns(self) -> tuple[DataGadget, ...]:
+        """The tables, one per column."""
+        return self._columns
+
+    @property
+    def device(self) -> torch.device:
+        """Where batches are delivered (in the main process)."""
+        return self._device
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one sample over all columns."""
+        return sum(g.store.row_nbytes for g in self._columns)
+
+    @property
+    def chunk_rows(self) -> int | None:
+        """The largest file chunk (in rows) among file-backed columns, or None."""
+        sizes = [chunk_rows_of(g.store) for g in self._columns]
+        known = [s for s in sizes if s]
+        return max(known) if known else None
+
+    def __len__(self) -> int:
+        return self._num_rows
+
+    def __repr__(self) -> str:
+        cols = ", ".join(f"{tuple(g.shape)} {g.placement}" for g in self._columns)
+        return f"GadgetDataset({len(self)} rows; columns: {cols}; device={str(self._device)!r})"
+
+    # ---- rows --------------------------------------------------------------------------------
+    def _target(self) -> torch.device:
+        if get_worker_info() is not None:
+            return torch.device("cpu")  # never touch CUDA in a DataLoader worker
+        return self._device
+
+    def gather(self, indices: Any) -> GadgetBatch:
+        """The rows at ``indices`` of every column, gathered once per column.
+
+        Returns a :class:`GadgetBatch` with one tensor of shape
+        ``indices.shape + row_shape`` per column.
+
+        Raises
+        ------
+        GadgetIndexError, GadgetTypeError
+            Ids out of range or not integers (nothing is read).
+        """
+        ids = _checked_ids(indices, self._num_rows)
+        target = self._target()
+        by_device: dict[torch.device, torch.Tensor] = {}
+        out = []
+        for i, g in enumerate(self._columns):
+            store = g.store
+            store.check_open()
+            if (
+                target.type == "cpu"
+                and store.host_view() is None
+                and store.device_view() is not None
+            ):
+                raise GadgetTypeError(
+                    f"column {i} lives in GPU memory ({store.placement!r}) and cannot be read in a "
+                    "DataLoader worker process; use num_workers=0 (a batch is one GPU gather) "
+                    "or a 'pinned' / 'cpu' column"
+                )
+            where = store.ids_device(target)
+            dev_ids = by_device.get(where)
+            if dev_ids is None:
+                dev_ids = _ids_on(ids, where)
+                by_device[where] = dev_ids
+            out.append(store.gather(dev_ids, target, strategy=getattr(g, "_strategy", "auto")))
+        return GadgetBatch(out)
+
+    def __getitem__(self, index: Any) -> Any:
+        """``ds[i]`` -> a tuple of one row per column; ``ds[ids]`` (list, array, tensor,
+        range, slice) -> a :class:`GadgetBatch` of batched columns."""
+        if isinstance(index, slice):
+            index = range(*index.indices(self._num_rows))
+        if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+            return tuple(t[0] for t in self.gather([int(index)]))
+        return self.gather(index)
+
+    def __getitems__(self, indices: Any) -> list[GadgetBatch]:
+        """A whole batch for torch's fetcher: ``[GadgetBatch]`` (see the module notes)."""
+        return [self.gather(indices)]
+
+    # ---- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the tables this dataset created (not DataGadgets passed in). Idempotent."""
+        for g in self._owned:
+            g.close()
+
+    def __enter__(self) -> GadgetDataset:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _checked_ids(indices: Any, num_rows: int) -> torch.Tensor:
+    """Checked int64 ids; a CPU int64 tensor (what samplers yield) takes a one-pass check."""
+    if type(indices) is torch.Tensor and indices.dtype == torch.int64 and not indices.is_cuda:
+        if indices.numel():
+            lo, hi = torch.aminmax(indices)
+            if int(lo) < 0 or int(hi) >= num_rows:
+                check_range(indices, num_rows)  # raises with the full message
+        return indices
+    return as_ids(indices, num_rows)
+
+
+def _ids_on(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Checked ids on ``device``; CPU ids go to the GPU from page-locked memory, asynchronously."""
+    if ids.device == device:
+        return ids
+    if device.type == "cuda" and ids.device.type == "cpu":
+        if not ids.is_pinned():
+            staged = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            staged.copy_(ids)
+            ids = staged
+        # torch's pinned allocator keeps `staged` until this copy has run
+        return ids.to(device, non_blocking=True)
+    return ids.to(device)

@@ -1,0 +1,239 @@
+"""GadgetLoader: torch's DataLoader plus GPU prefetch on a side stream, resumable.
+
+Batches come from a plain ``torch.utils.data.DataLoader`` over a
+:class:`GadgetDataset` with a :class:`GadgetSampler` as its batch sampler; the
+loader only decides *when* and *on which CUDA stream* each batch is fetched.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from .._errors import GadgetTypeError, GadgetValueError
+from ._dataset import GadgetBatch, GadgetDataset
+from ._sampler import GadgetSampler, _check_int
+
+__all__ = ["GadgetLoader"]
+
+
+class GadgetLoader:
+    """Iterate a :class:`GadgetDataset` in batches, gathering ahead on a side CUDA stream.
+
+    Parameters
+    ----------
+    dataset : GadgetDataset, DataGadget, array or tensor
+        What to load (anything but a GadgetDataset becomes a one-column dataset).
+    sampler : GadgetSampler, optional
+        The batch order. If omitted one is built from ``batch_size`` and the
+        sampler options below.
+    batch_size : int, optional
+        Rows per batch (required without ``sampler``).
+    prefetch : int, default 2
+        Batches gathered ahead of the one being consumed (CUDA only; 0 gathers
+        each batch on the current stream when it is asked for).
+    num_workers : int, default 0
+        DataLoader worker processes. They never touch CUDA: they gather on the
+        CPU, and batches are moved to the GPU here (from pinned memory).
+    order, drop_last, pad, seed, window_chunks, chunk_rows, num_replicas, rank
+        Passed to :class:`GadgetSampler` when ``sampler`` is omitted.
+    **dataloader_kwargs
+        Passed to ``torch.utils.data.DataLoader`` (e.g. ``persistent_workers``,
+        ``multiprocessing_context``).
+
+    Notes
+    -----
+    With CUDA, the gather for step ``n + 1`` (and up to ``prefetch`` steps ahead)
+    is queued on a side stream while step ``n`` computes on the current stream.
+    The consuming stream waits on an event recorded after each gather, and every
+    batch tensor is marked with ``record_stream`` for it, so the caching
+    allocator never hands a batch's memory to another gather while kernels of
+    the consuming step may still use it. The side stream waits for the current
+    stream once, when iteration starts: rows written into the tables *during*
+    iteration may be missed by batches already in flight (use ``prefetch=0`` if
+    training writes into the table it reads).
+
+    ``state_dict()`` counts the batches *handed out*, not those prefetched, so
+    resuming from it repeats and skips nothing.
+
+    Examples
+    --------
+    >>> import torch, gadgetloader as gl
+    >>> ds = gl.GadgetDataset(torch.arange(10.0), placement="cpu", device="cpu")
+    >>> loader = gl.GadgetLoader(ds, batch_size=4, order="sequential")
+    >>> [b[0].tolist() for b in loader]
+    [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        sampler: GadgetSampler | None = None,
+        batch_size: int | None = None,
+        prefetch: int = 2,
+        num_workers: int = 0,
+        order: str = "random",
+        drop_last: bool = False,
+        pad: bool = False,
+        seed: int = 0,
+        window_chunks: int | None = None,
+        chunk_rows: int | None = None,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        **dataloader_kwargs: Any,
+    ) -> None:
+        if not isinstance(dataset, GadgetDataset):
+            dataset = GadgetDataset(dataset)
+        self._dataset = dataset
+        if sampler is None:
+            if batch_size is None:
+                raise GadgetValueError("GadgetLoader needs batch_size= (or a sampler=)")
+            sampler = GadgetSampler(
+                dataset,
+                batch_size=batch_size,
+                order=order,
+                drop_last=drop_last,
+                pad=pad,
+                seed=seed,
+                window_chunks=window_chunks,
+                chunk_rows=chunk_rows,
+                num_replicas=num_replicas,
+                rank=rank,
+            )
+        elif batch_size is not None:
+            raise GadgetValueError(
+                "give either sampler= or batch_size= (the sampler already has a batch size), not both"
+            )
+        elif not isinstance(sampler, GadgetSampler):
+            raise GadgetTypeError(f"sampler must be a GadgetSampler; got {type(sampler).__name__}")
+        if sampler.num_rows != len(dataset):
+            raise GadgetValueError(
+                f"the sampler is for {sampler.num_rows} rows but the dataset has {len(dataset)}"
+            )
+        self._sampler = sampler
+        self._prefetch = _check_int(prefetch, "prefetch", minimum=0)
+        workers = _check_int(num_workers, "num_workers", minimum=0)
+        for key in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn"):
+            if key in dataloader_kwargs:
+                raise GadgetTypeError(f"GadgetLoader sets DataLoader's {key!r} itself")
+        self._device = dataset.device
+        pin = workers > 0 and self._device.type == "cuda"
+        dataloader_kwargs.setdefault("pin_memory", pin)
+        self._dataloader = DataLoader(
+            dataset, batch_sampler=sampler, num_workers=workers, **dataloader_kwargs
+        )
+        # (epoch, first position, batches handed out) of the pass in progress
+        self._active: list[int] | None = None
+
+    # ---- facts -------------------------------------------------------------------------------
+    @property
+    def dataset(self) -> GadgetDataset:
+        return self._dataset
+
+    @property
+    def sampler(self) -> GadgetSampler:
+        return self._sampler
+
+    @property
+    def dataloader(self) -> DataLoader[Any]:
+        """The underlying ``torch.utils.data.DataLoader``."""
+        return self._dataloader
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def __len__(self) -> int:
+        """Batches per epoch (on this rank)."""
+        return len(self._sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its first batch at the next ``iter()``."""
+        self._active = None
+        self._sampler.set_epoch(epoch)
+
+    # ---- resume ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch handed out (prefetched batches do not count)."""
+        if self._active is not None:
+            epoch, start, handed = self._active
+            return {"sampler": self._sampler._state(epoch, start + handed)}
+        return {"sampler": self._sampler.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` at the next ``iter()``."""
+        if not isinstance(state_dict, dict) or "sampler" not in state_dict:
+            raise GadgetValueError(
+                "not a GadgetLoader state: expected a dict from GadgetLoader.state_dict() "
+                "(with a 'sampler' entry)"
+            )
+        self._active = None
+        self._sampler.load_state_dict(state_dict["sampler"])
+
+    # ---- iteration ---------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[GadgetBatch]:
+        epoch, start = self._sampler._next_start()
+        it = iter(self._dataloader)
+        active = [epoch, start, 0]
+        self._active = active
+        if self._device.type == "cuda" and self._prefetch > 0:
+            gen = self._prefetched(it, active)
+        else:
+            gen = self._plain(it, active)
+        return gen
+
+    def _finish(self, active: list[int]) -> None:
+        if self._active is active:
+            self._active = None
+
+    def _plain(self, it: Iterator[Any], active: list[int]) -> Iterator[GadgetBatch]:
+        for batch in it:
+            batch = _on_device(batch, self._device, non_blocking=False)
+            active[2] += 1
+            yield batch
+        self._finish(active)
+
+    def _prefetched(self, it: Iterator[Any], active: list[int]) -> Iterator[GadgetBatch]:
+        device = self._device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        pending: deque[tuple[GadgetBatch, torch.cuda.Event]] = deque()
+
+        def fetch() -> bool:
+            with torch.cuda.stream(side):
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    return False
+                batch = _on_device(batch, device, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(side)
+            pending.append((batch, ready))
+            return True
+
+        more = True
+        while more and len(pending) < self._prefetch:
+            more = fetch()
+        while pending:
+            batch, ready = pending.popleft()
+            consumer = torch.cuda.current_stream(device)
+            consumer.wait_event(ready)
+            batch.record_stream(consumer)
+            if more:
+                more = fetch()
+            active[2] += 1
+            yield batch
+        self._finish(active)
+
+
+def _on_device(batch: Any, device: torch.device, *, non_blocking: bool) -> GadgetBatch:
+    if not isinstance(batch, GadgetBatch):
+        batch = GadgetBatch(batch)
+    if all(t.device == device for t in batch):
+        return batch
+    return batch.to(device, non_blocking=non_blocking)

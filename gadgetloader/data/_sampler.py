@@ -1,0 +1,513 @@
+"""Which rows go into which batch, on which rank, in which epoch.
+
+:class:`GadgetSampler` yields one int64 id tensor per batch. It is a *batch*
+sampler: torch's ``DataLoader`` hands each tensor to
+``GadgetDataset.__getitems__`` whole, so a batch costs one gather per column and
+no per-sample Python.
+
+The epoch order is a pure function of ``(num_rows, order, seed, epoch)`` (and the
+chunk layout for ``order='chunk'``), so every rank computes the same order
+without communicating, and a saved ``(epoch, position)`` pair is enough to resume.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections.abc import Iterator, Sized
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+from .._errors import GadgetKeyError, GadgetTypeError, GadgetValueError
+
+__all__ = ["ORDERS", "GadgetSampler"]
+
+#: the batch orders :class:`GadgetSampler` knows
+ORDERS: tuple[str, ...] = ("sequential", "random", "chunk")
+
+_STATE_VERSION = 1
+_MASK64 = (1 << 64) - 1
+
+
+def _check_int(value: Any, name: str, *, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise GadgetTypeError(f"{name} must be an int; got a bool")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise GadgetTypeError(f"{name} must be an int; got {type(value).__name__}") from None
+    if value < minimum:
+        raise GadgetValueError(f"{name} must be >= {minimum}; got {value}")
+    return int(value)
+
+
+def chunk_rows_of(obj: Any) -> int | None:
+    """The read unit in rows of a dataset, DataGadget or store (``chunk_rows`` or a file
+    store's ``block_rows``), or None for in-memory tables."""
+    for holder in (obj, getattr(obj, "store", None)):
+        if holder is None:
+            continue
+        for name in ("chunk_rows", "block_rows"):
+            value = getattr(holder, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _mix_seed(seed: int, epoch: int) -> int:
+    """A well-mixed 63-bit generator seed for ``(seed, epoch)`` (splitmix64 finaliser)."""
+    z = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def _index_dtype(num_rows: int) -> torch.dtype:
+    return torch.int32 if num_rows < 2**31 else torch.int64
+
+
+def _epoch_order(
+    num_rows: int, order: str, seed: int, epoch: int, chunk_rows: int, window_chunks: int
+) -> torch.Tensor:
+    """The epoch's permutation of ``range(num_rows)`` (int32 below 2**31 rows)."""
+    gen = torch.Generator()
+    gen.manual_seed(_mix_seed(seed, epoch))
+    dtype = _index_dtype(num_rows)
+    if order == "random":
+        return torch.randperm(num_rows, generator=gen, dtype=dtype)
+    # chunk-aware: shuffle the chunks, then rows inside windows of `window_chunks` chunks
+    num_chunks = -(-num_rows // chunk_rows)
+    chunk_order = torch.randperm(num_chunks, generator=gen)
+    out = torch.empty(num_rows, dtype=dtype)
+    pos = 0
+    for w in range(0, num_chunks, window_chunks):
+        chunks = chunk_order[w : w + window_chunks]
+        starts = chunks * chunk_rows
+        lens = torch.clamp(num_rows - starts, max=chunk_rows)
+        total = int(lens.sum())
+        # row ids of the window's chunks, chunk after chunk
+        first = torch.cumsum(lens, 0) - lens
+        rows = torch.repeat_interleave(starts - first, lens) + torch.arange(total)
+        out[pos : pos + total] = rows[torch.randperm(total, generator=gen)]
+        pos += total
+    return out
+
+
+def _run_into(fut: Future[torch.Tensor], fn: Any, *args: Any) -> None:
+    try:
+        fut.set_result(fn(*args))
+    except BaseException as exc:  # pragma: no cover - surfaced by fut.result()
+        fut.set_exception(exc)
+
+
+class GadgetSampler(Sampler[Any]):
+    """A seeded, resumable, rank-aware batch sampler yielding int64 id tensors.
+
+    Parameters
+    ----------
+    data_source : int or sized object
+        The number of rows, or anything with ``len()`` (a :class:`GadgetDataset`,
+        a :class:`~gadgetloader.DataGadget`). Its ``chunk_rows`` attribute, where
+        present, gives the chunk size for ``order='chunk'``.
+    batch_size : int
+        Rows per batch (> 0).
+    order : {'random', 'sequential', 'chunk'}, default 'random'
+        ``random``: a fresh uniform permutation every epoch. ``sequential``:
+        row order. ``chunk``: chunk-aware shuffle for file-backed tables (see Notes).
+    drop_last : bool, default False
+        Drop the incomplete last batch (see *Ranks*).
+    pad : bool, default False
+        Fill the last batch on every rank up to ``batch_size`` by repeating rows
+        from the start of the epoch order. Exclusive with ``drop_last``.
+    seed : int, default 0
+        The order depends only on ``(seed, epoch)``: same on every rank and run.
+    window_chunks : int, optional
+        For ``order='chunk'``: how many chunks are shuffled together. Default:
+        enough chunks to hold 16 batches, and at least 8.
+    chunk_rows : int, optional
+        For ``order='chunk'``: rows per file chunk. Default: the ``chunk_rows`` (or
+        file store's ``block_rows``) of ``data_source`` or of its store.
+    num_replicas, rank : int, optional
+        Shard over ranks; default: ``torch.distributed``'s world size and rank when
+        it is initialised, else one rank.
+
+    Notes
+    -----
+    **Epochs.** Each full pass ends by advancing :attr:`epoch`, so successive
+    epochs are shuffled differently without calling :meth:`set_epoch` (calling it
+    every epoch, as with ``DistributedSampler``, gives the same result). Starting a
+    new ``iter()`` before the pass ends restarts the current epoch.
+
+    **Ranks.** The epoch order is cut into ``num_replicas`` contiguous shares, one
+    per rank; every rank yields the same number of batches ``len(sampler)``.
+    With ``n`` rows, ``R`` ranks and batch size ``B``:
+
+    * default: every row is yielded exactly once per epoch over all ranks. Rank
+      ``r`` takes ``n // R`` rows, plus one for the first ``n % R`` ranks, in
+      ``ceil((n // R) / B)`` batches: full batches, then one last batch of
+      1 to ``B`` rows -- or ``B + 1`` rows on the ranks holding an extra row when
+      ``n // R`` is a multiple of ``B``. Needs ``n >= R``.
+    * ``drop_last=True``: each rank yields ``n // (R * B)`` full batches; the last
+      ``n % (R * B)`` rows of the epoch order (a different set every shuffled
+      epoch) are not yielded that epoch.
+    * ``pad=True``: each rank yields ``ceil(n / (R * B))`` full batches; the
+      ``R * B * ceil(n / (R * B)) - n`` missing rows are taken again from the start
+      of the epoch order (cyclically), so those rows are seen twice that epoch.
+
+    A state saved on one rank can be loaded on any rank of the same world size
+    (the position is the same on every rank).
+
+    **Chunk order.** The file's chunks (``chunk_rows`` rows each) are shuffled,
+    then taken ``window_chunks`` at a time and the rows of each window are
+    shuffled together. All rows of a chunk are therefore requested within one
+    window (``window_chunks * chunk_rows`` consecutive positions), so a store
+    whose cache holds a window (a file store's ``cache_bytes``, 256 MiB by
+    default) reads each chunk once per epoch. The price is randomness: a batch draws from only ``window_chunks``
+    chunks, so rows that are stored together (sorted by label, time, user...)
+    stay correlated within a window. Larger windows approach a full shuffle and
+    need more read-ahead memory; ``window_chunks >= num_chunks`` is a full shuffle.
+    With several ranks, shares are contiguous in this order, so ranks read
+    disjoint chunks except at most one shared window per share boundary.
+
+    **Cost.** The order of epoch ``e + 1`` is computed by a background thread
+    while epoch ``e`` runs (``torch.randperm`` releases the GIL), so no batch
+    waits for it; it holds 4 bytes per row (8 above 2**31 rows), twice while the
+    next epoch's order is ready. The first epoch's order is computed when
+    iteration starts (about 10-40 ns per row). A batch costs one slice copy
+    (microseconds).
+
+    Examples
+    --------
+    >>> from gadgetloader.data import GadgetSampler
+    >>> [b.tolist() for b in GadgetSampler(10, batch_size=4, order="sequential")]
+    [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    >>> [[b.tolist() for b in GadgetSampler(9, batch_size=2, order="sequential",
+    ...   num_replicas=2, rank=r)] for r in (0, 1)]
+    [[[0, 1], [2, 3, 4]], [[5, 6], [7, 8]]]
+    """
+
+    def __init__(
+        self,
+        data_source: Sized | int,
+        *,
+        batch_size: int,
+        order: str = "random",
+        drop_last: bool = False,
+        pad: bool = False,
+        seed: int = 0,
+        window_chunks: int | None = None,
+        chunk_rows: int | None = None,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        if isinstance(data_source, int) and not isinstance(data_source, bool):
+            n = data_source
+        elif hasattr(data_source, "__len__"):
+            n = len(data_source)
+        else:
+            raise GadgetTypeError(
+                f"data_source must be a row count or have len(); got {type(data_source).__name__}"
+            )
+        if n <= 0:
+            raise GadgetValueError(f"cannot sample from an empty dataset: it has {n} rows")
+        self._num_rows = int(n)
+        self._batch_size = _check_int(batch_size, "batch_size", minimum=1)
+        if order not in ORDERS:
+            raise GadgetKeyError(f"Unknown order {order!r}; expected one of {list(ORDERS)}")
+        self._order = order
+        self._drop_last = bool(drop_last)
+        self._pad = bool(pad)
+        if self._drop_last and self._pad:
+            raise GadgetValueError(
+                "drop_last=True and pad=True are exclusive: drop the incomplete batch or pad it"
+            )
+        self._seed = _check_int(seed, "seed", minimum=0)
+        if chunk_rows is None and order == "chunk":
+            chunk_rows = chunk_rows_of(data_source)
+            if chunk_rows is None:
+                raise GadgetValueError(
+                    "order='chunk' needs the file's chunk size: pass chunk_rows=, or a dataset "
+                    "with a file-backed column (which has a chunk_rows attribute)"
+                )
+        self._chunk_rows = (
+            _check_int(chunk_rows, "chunk_rows", minimum=1) if chunk_rows is not None else None
+        )
+        if window_chunks is None:
+            # enough chunks for 16 batches (at least 8): cheap to cache, well mixed
+            per = self._chunk_rows or 1
+            window_chunks = max(8, -(-16 * self._batch_size // per))
+        self._window_chunks = _check_int(window_chunks, "window_chunks", minimum=1)
+        self._num_replicas, self._rank = self._resolve_ranks(num_replicas, rank)
+        self._layout()
+        self._epoch = 0
+        self._position = 0
+        self._resume: int | None = None
+        self._orders: dict[int, Future[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    # ---- set-up --------------------------------------------------------------------------
+    @staticmethod
+    def _resolve_ranks(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+        dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if num_replicas is None:
+            num_replicas = torch.distributed.get_world_size() if dist_on else 1
+        if rank is None:
+            rank = torch.distributed.get_rank() if dist_on else 0
+        num_replicas = _check_int(num_replicas, "num_replicas", minimum=1)
+        rank = _check_int(rank, "rank", minimum=0)
+        if rank >= num_replicas:
+            raise GadgetValueError(f"rank must be in [0, {num_replicas - 1}]; got rank={rank}")
+        return num_replicas, rank
+
+    def _layout(self) -> None:
+        n, R, r, B = self._num_rows, self._num_replicas, self._rank, self._batch_size
+        if self._drop_last:
+            nb = n // (R * B)
+            if nb == 0:
+                raise GadgetValueError(
+                    f"drop_last=True leaves no batch: {n} rows < num_replicas * batch_size = "
+                    f"{R} * {B}; use a smaller batch_size or drop_last=False"
+                )
+            self._share_start, self._share_len = r * nb * B, nb * B
+        elif self._pad:
+            nb = -(-n // (R * B))
+            self._share_start, self._share_len = r * nb * B, nb * B
+        else:
+            q, extra = divmod(n, R)
+            if q == 0:
+                raise GadgetValueError(
+                    f"{n} rows cannot be shared by {R} ranks without repeating rows; "
+                    "pass pad=True or use fewer ranks"
+                )
+            nb = -(-q // B)
+            self._share_start = r * q + min(r, extra)
+            self._share_len = q + (1 if r < extra else 0)
+        self._num_batches = nb
+
+    # ---- facts -----------------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        return self._num_rows
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def order(self) -> str:
+        return self._order
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next (or current) pass belongs to."""
+        return self._epoch
+
+    @property
+    def num_replicas(self) -> int:
+        return self._num_replicas
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def drop_last(self) -> bool:
+        return self._drop_last
+
+    @property
+    def pad(self) -> bool:
+        return self._pad
+
+    @property
+    def chunk_rows(self) -> int | None:
+        return self._chunk_rows
+
+    @property
+    def window_chunks(self) -> int:
+        return self._window_chunks
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (the same on every rank)."""
+        return self._num_batches
+
+    def __repr__(self) -> str:
+        return (
+            f"GadgetSampler(num_rows={self._num_rows}, batch_size={self._batch_size}, "
+            f"order={self._order!r}, epoch={self._epoch}, rank={self._rank}/{self._num_replicas})"
+        )
+
+    # ---- epochs ------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its first batch at the next ``iter()``."""
+        self._epoch = _check_int(epoch, "epoch", minimum=0)
+        self._position = 0
+        self._resume = None
+
+    def _order_future(self, epoch: int, *, background: bool) -> Future[torch.Tensor] | None:
+        if self._order == "sequential":
+            return None
+        with self._lock:
+            fut = self._orders.get(epoch)
+            if fut is None:
+                fut = Future()
+                self._orders[epoch] = fut
+                args = (
+                    self._num_rows,
+                    self._order,
+                    self._seed,
+                    epoch,
+                    self._chunk_rows or 1,
+                    self._window_chunks,
+                )
+                if background:
+                    # not a daemon: interpreter exit waits for it instead of killing it
+                    # inside torch (which aborts the process)
+                    threading.Thread(
+                        target=_run_into, args=(fut, _epoch_order, *args), daemon=False
+                    ).start()
+                else:
+                    _run_into(fut, _epoch_order, *args)
+            for old in [e for e in self._orders if e not in (epoch, epoch + 1, self._epoch)]:
+                del self._orders[old]
+        return fut
+
+    def epoch_order(self, epoch: int | None = None) -> torch.Tensor:
+        """The full order of ``epoch`` (default: the current one) over all ranks, as int64.
+
+        Row ``epoch_order()[p]`` is at position ``p``; rank ``r`` reads positions
+        ``[start_r, start_r + share_r)`` (wrapping around with ``pad``).
+        """
+        e = self._epoch if epoch is None else _check_int(epoch, "epoch", minimum=0)
+        fut = self._order_future(e, background=False)
+        if fut is None:
+            return torch.arange(self._num_rows)
+        return fut.result().to(torch.int64)
+
+    # ---- iteration ---------------------------------------------------------------------------
+    def _batch_ids(self, order: torch.Tensor | None, b: int) -> torch.Tensor:
+        p0 = self._share_start + b * self._batch_size
+        end = self._share_len if b == self._num_batches - 1 else (b + 1) * self._batch_size
+        p1 = self._share_start + end
+        n = self._num_rows
+        if p1 <= n:
+            if order is None:
+                return torch.arange(p0, p1, dtype=torch.int64)
+            return order[p0:p1].to(torch.int64, copy=True)
+        pos = torch.arange(p0, p1, dtype=torch.int64).remainder_(n)
+        return pos if order is None else order[pos].to(torch.int64)
+
+    def __iter__(self) -> Iterator[Any]:  # int64 id tensors; Any keeps DataLoader's typing happy
+        # The pass starts (taking any loaded resume position) at its first next():
+        # DataLoader may call iter() more than once before drawing a batch. No thread
+        # is started here: DataLoader forks its workers between iter() and next().
+        return self._batches()
+
+    def _next_start(self) -> tuple[int, int]:
+        """(epoch, position) where the next pass will start."""
+        return self._epoch, self._resume if self._resume is not None else 0
+
+    def _batches(self) -> Iterator[torch.Tensor]:
+        epoch, start = self._next_start()
+        self._resume = None
+        self._position = start
+        fut = self._order_future(epoch, background=False)
+        order = fut.result() if fut is not None else None
+        self._order_future(epoch + 1, background=True)
+        for b in range(start, self._num_batches):
+            ids = self._batch_ids(order, b)
+            if self._epoch == epoch:
+                self._position = b + 1
+            yield ids
+        if self._epoch == epoch and self._position == self._num_batches:
+            self._epoch = epoch + 1
+            self._position = 0
+
+    # ---- resume (torchdata StatefulDataLoader protocol) -------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Where the epoch stands: load it into a fresh sampler to continue from the next batch.
+
+        ``StatefulDataLoader`` (torchdata) calls this for its batch sampler, or for
+        its sampler with ``batch_size=None``.
+        """
+        position = self._resume if self._resume is not None else self._position
+        return self._state(self._epoch, position)
+
+    def _state(self, epoch: int, position: int) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "num_rows": self._num_rows,
+            "num_replicas": self._num_replicas,
+            "rank": self._rank,
+            "batch_size": self._batch_size,
+            "order": self._order,
+            "drop_last": self._drop_last,
+            "pad": self._pad,
+            "chunk_rows": self._chunk_rows,
+            "window_chunks": self._window_chunks,
+            "seed": self._seed,
+            "epoch": epoch,
+            "position": position,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`: the next ``iter()`` resumes mid-epoch.
+
+        Raises
+        ------
+        GadgetValueError
+            The state was saved for another dataset size, world size, batch size,
+            order or chunk layout (the positions would mean different rows).
+        """
+        if not isinstance(state_dict, dict) or "position" not in state_dict:
+            raise GadgetValueError(
+                "not a GadgetSampler state: expected a dict from GadgetSampler.state_dict(); "
+                f"got {type(state_dict).__name__}"
+            )
+        if state_dict.get("version") != _STATE_VERSION:
+            raise GadgetValueError(
+                f"sampler state version {state_dict.get('version')!r} is not supported; "
+                f"expected {_STATE_VERSION}"
+            )
+        keys = ["num_rows", "num_replicas", "batch_size", "order", "drop_last", "pad"]
+        if self._order == "chunk":
+            keys += ["chunk_rows", "window_chunks"]
+        for key in keys:
+            mine, theirs = getattr(self, f"_{key}"), state_dict.get(key)
+            if mine != theirs:
+                what = {
+                    "num_rows": "a dataset of a different size",
+                    "num_replicas": "a different world size",
+                }.get(key, f"a different {key}")
+                raise GadgetValueError(
+                    f"this sampler state was saved for {what}: {key}={theirs!r}, but this sampler "
+                    f"has {key}={mine!r}; load it into a sampler built with the same settings"
+                )
+        position = _check_int(state_dict["position"], "position", minimum=0)
+        if position > self._num_batches:
+            raise GadgetValueError(
+                f"sampler state position {position} is beyond the epoch's {self._num_batches} batches"
+            )
+        self._seed = _check_int(state_dict["seed"], "seed", minimum=0)
+        self._epoch = _check_int(state_dict["epoch"], "epoch", minimum=0)
+        with self._lock:
+            self._orders.clear()
+        self._resume = position
+        self._position = position
+
+    # ---- pickling (DataLoader may copy samplers) ---------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_orders"] = {}
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()

@@ -1,0 +1,55 @@
+"""The pipeline benchmark runs at a tiny size and reports sane, checked results."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from gadgetloader.bench import _pipeline
+
+
+def test_pipeline_bench_tiny(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    _pipeline.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--rows",
+            "3000",
+            "--width",
+            "8",
+            "--batch",
+            "256",
+            "--batches",
+            "6",
+            "--seconds",
+            "0.5",
+            "--repeats",
+            "1",
+            "--workers",
+            "0",
+        ]
+    )
+    report = _pipeline.run(args)
+    out = capsys.readouterr().out
+    assert "pipeline benchmark" in out and "(c) DataLoader + GadgetSampler" in out
+    methods = {(r["source"], r["method"]) for r in report["results"]}
+    assert ("npy mmap", "(a) torch per-sample DataLoader") in methods
+    memory = [r for r in report["results"] if r["source"].startswith("memory")]
+    assert {m["method"][:3] for m in memory} == {"(b)", "(c)", "(d)"}
+    for r in report["results"]:
+        assert r["check"] == "ok", r
+        assert r["rows_per_s"] > 0 and r["GBps"] > 0
+    summary = report["summary"]
+    assert summary["best_torch_workers"] == 0
+    assert summary["memory_fast_x_torch"] > 1  # one gather per batch beats per-sample Python
+    assert summary["memory_default_vs_fast"] > 0
+    if not report["link"]:
+        assert summary["memory_fast_of_limit"] is None
+
+
+def test_pipeline_bench_rejects_bad_sizes() -> None:
+    parser = argparse.ArgumentParser()
+    _pipeline.add_arguments(parser)
+    with pytest.raises(ValueError, match="width"):
+        _pipeline.run(parser.parse_args(["--width", "2"]))
