@@ -152,10 +152,15 @@ def _methods(method: str, table: torch.Tensor, host: torch.Tensor, ids: torch.Te
     if method.startswith("kernel-"):  # kernel variants: kernel-u<unroll>, kernel-v<max vector bytes>
         from ..transfer import _kernels
 
-        opt = {"u": "unroll", "v": "max_vector"}[method[7]]
-        kw = {opt: int(method[8:])}
+        value = int(method[8:])
+        unroll, vector = (value, 16) if method[7] == "u" else (_kernels.UNROLL, value)
+
+        def variant() -> torch.Tensor:
+            _kernels.launch_gather(table, ids, out, unroll=unroll, max_vector=vector)
+            return out
+
         return (
-            lambda: (_kernels.launch_gather(table, ids, out, **kw), out)[1],
+            variant,
             lambda: _engine.scatter(table, uids, new_rows, strategy="kernel", host=host),
         )
     if method == "staged":
