@@ -292,7 +292,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     record(
                         label,
-                        f"(d) GadgetLoader prefetch={args.prefetch} ({order})",
+                        f"(d) GadgetLoader prefetch={args.prefetch} coalesce={gl._coalesce} ({order})",
                         functools.partial(_same, gl),
                         first_col,
                     )
