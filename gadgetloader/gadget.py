@@ -464,3 +464,25 @@ class DataGadget:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    # ---- pickling (DataLoader worker processes) ------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle for worker processes.
+
+        ``file``: the file's name and options only (no rows); the copy reopens the
+        file lazily in its own process. ``cpu``: by value (through torch's shared
+        memory when a DataLoader sends it to workers). ``cuda`` / ``pinned`` cannot
+        be pickled: their rows live in this process's GPU mappings.
+        """
+        store = self.__dict__.get("_store")
+        if store is not None and not store.closed and store.placement in ("cuda", "pinned"):
+            raise GadgetTypeError(
+                f"a DataGadget with placement {store.placement!r} cannot be pickled (its rows live in "
+                "this process's GPU memory mappings); for DataLoader workers started with 'spawn' "
+                "open the file with placement='file' (each worker reopens it) or use "
+                "placement='cpu'; 'fork' workers inherit the gadget without pickling"
+            )
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from ._atomic import replace_atomically, temp_path_beside
 from ._base import ArraySink, ArraySource
+from ._hdf5 import Hdf5Sink, Hdf5Source, is_hdf5
 from ._npy import NpySink, NpySource, is_npy
 from ._open import FORMATS, guess_format, open_sink, open_source, register_format
 from ._stream import load_into, save_from
+from ._zarr import ZarrSink, ZarrSource, is_zarr
 
 __all__ = [
     "FORMATS",
@@ -16,9 +18,15 @@ __all__ = [
     "open_source",
     "register_format",
     "ArraySource",
+    "Hdf5Sink",
+    "Hdf5Source",
     "NpySink",
     "NpySource",
+    "ZarrSink",
+    "ZarrSource",
+    "is_hdf5",
     "is_npy",
+    "is_zarr",
     "load_into",
     "replace_atomically",
     "save_from",

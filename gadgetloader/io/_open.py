@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -9,14 +10,21 @@ from typing import Any
 
 import torch
 
-from .._errors import GadgetFileNotFoundError, GadgetKeyError, GadgetValueError
+from .._errors import GadgetFileNotFoundError, GadgetKeyError, GadgetTypeError, GadgetValueError
 from ._base import ArraySink, ArraySource
+from ._hdf5 import Hdf5Sink, Hdf5Source, is_hdf5
 from ._npy import NpySink, NpySource, is_npy
+from ._zarr import ZarrSink, ZarrSource, is_zarr
 
 __all__ = ["FORMATS", "open_source", "open_sink", "guess_format", "register_format"]
 
 #: format name -> (source factory, sink factory, extensions, content sniffer)
-_REGISTRY: dict[str, tuple[Callable[..., ArraySource], Callable[..., ArraySink], tuple[str, ...], Callable[[str], bool]]] = {}
+_REGISTRY: dict[
+    str,
+    tuple[
+        Callable[..., ArraySource], Callable[..., ArraySink], tuple[str, ...], Callable[[str], bool]
+    ],
+] = {}
 
 
 def register_format(
@@ -31,6 +39,9 @@ def register_format(
 
 
 register_format("npy", NpySource, NpySink, (".npy",), is_npy)
+# h5py and zarr are imported by these classes only when a file is opened
+register_format("hdf5", Hdf5Source, Hdf5Sink, (".h5", ".hdf5", ".hdf"), is_hdf5)
+register_format("zarr", ZarrSource, ZarrSink, (".zarr",), is_zarr)
 
 FORMATS = _REGISTRY  # read-only by convention
 
@@ -61,7 +72,13 @@ def _check_format(fmt: str) -> str:
     return fmt
 
 
-def open_source(path: str | os.PathLike[str], *, format: str | None = None, dataset: str | None = None, **kwargs: Any) -> ArraySource:
+def open_source(
+    path: str | os.PathLike[str],
+    *,
+    format: str | None = None,
+    dataset: str | None = None,
+    **kwargs: Any,
+) -> ArraySource:
     """Open ``path`` for reading rows."""
     fmt = _check_format(format) if format else guess_format(path)
     if not os.path.exists(path):
@@ -83,4 +100,24 @@ def open_sink(
     """Start writing a ``shape`` / ``dtype`` array to ``path`` (atomically, on commit)."""
     fmt = _check_format(format) if format else guess_format(Path(path), must_exist=False)
     factory = _REGISTRY[fmt][1]
-    return factory(path, shape, dtype, **{k: v for k, v in kwargs.items() if v is not None})
+    options = {k: v for k, v in kwargs.items() if v is not None}
+    accepted = _keyword_options(factory)
+    if accepted is not None:
+        unknown = sorted(set(options) - accepted)
+        if unknown:
+            raise GadgetTypeError(
+                f"saving {os.fspath(path)!r} as {fmt}: unexpected option(s) {unknown}; "
+                f"{fmt} accepts {sorted(accepted) or 'no options'}"
+            )
+    return factory(path, shape, dtype, **options)
+
+
+def _keyword_options(factory: Callable[..., Any]) -> set[str] | None:
+    """The keyword-only options a sink factory takes (None when it takes ``**kwargs``)."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # pragma: no cover - builtins
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind is p.KEYWORD_ONLY}

@@ -9,10 +9,20 @@ import torch
 from .._device import resolve_placement
 from .._errors import GadgetKeyError
 from ._base import Store
+from ._file import FileStore, file_store
 from ._memory import CpuStore, CudaStore
 from ._pinned import HostBuffer, PinnedStore
 
-__all__ = ["CpuStore", "CudaStore", "HostBuffer", "PinnedStore", "Store", "empty_store"]
+__all__ = [
+    "CpuStore",
+    "CudaStore",
+    "FileStore",
+    "HostBuffer",
+    "PinnedStore",
+    "Store",
+    "empty_store",
+    "file_store",
+]
 
 _IN_MEMORY: dict[str, Any] = {"cpu": CpuStore, "cuda": CudaStore, "pinned": PinnedStore}
 

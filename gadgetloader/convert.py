@@ -1,0 +1,192 @@
+"""Convert a table between .npy, HDF5 and zarr, streaming chunk by chunk.
+
+The command ``gadgetloader convert SRC DST`` and the function :func:`convert` read
+the source in blocks of whole chunks and write each block to the destination
+(written beside it and renamed into place when complete), so memory stays at one
+staging block whatever the table's size.
+
+Examples
+--------
+>>> import numpy as np, tempfile, os
+>>> from gadgetloader.convert import convert
+>>> d = tempfile.mkdtemp()
+>>> np.save(os.path.join(d, "t.npy"), np.arange(12, dtype=np.float32).reshape(4, 3))
+>>> info = convert(os.path.join(d, "t.npy"), os.path.join(d, "t.h5"), progress=False)
+>>> info["shape"], info["dst_format"]
+((4, 3), 'hdf5')
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from . import io as _io
+from ._dtypes import dtype_name
+from ._errors import GadgetError, GadgetValueError
+from .io._stream import STAGING_BYTES, blocks, progress_bar
+
+__all__ = ["add_arguments", "convert", "run"]
+
+
+def _rows_per_block(row_nbytes: int, src_chunk: int, dst_chunk: int | None) -> int:
+    """About :data:`STAGING_BYTES` of rows, a multiple of the destination's chunk (and,
+    where it fits, of the source's), so every chunk is read and written whole."""
+    unit = dst_chunk or src_chunk or 1
+    if src_chunk and dst_chunk and unit % src_chunk:
+        lcm = int(np.lcm(src_chunk, dst_chunk))
+        if lcm * row_nbytes <= 4 * STAGING_BYTES:
+            unit = lcm
+    target = max(1, STAGING_BYTES // max(1, row_nbytes))
+    return max(unit, (target // unit) * unit)
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    dataset: str | None = None,
+    dst_dataset: str | None = None,
+    chunk_rows: int | None = None,
+    compression: str | None = None,
+    src_format: str | None = None,
+    dst_format: str | None = None,
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """Copy the table at ``src`` into a new file ``dst`` (format from its extension).
+
+    Parameters
+    ----------
+    src, dst : str or path
+        Source and destination (.npy, .h5/.hdf5/.hdf, .zarr, or by content for ``src``).
+    dataset : str, optional
+        The array inside an HDF5 file or zarr group at ``src``.
+    dst_dataset : str, optional
+        Its name at ``dst`` (default: ``dataset``, else the format's default).
+    chunk_rows : int, optional
+        Rows per chunk at ``dst`` (HDF5 / zarr; default about 1 MiB of rows).
+    compression : str, optional
+        ``dst``'s compression: HDF5 ``'gzip'`` / ``'lzf'``; zarr ``'zstd'`` (default),
+        ``'gzip'``, ``'blosc'``; ``'none'`` for none.
+    src_format, dst_format : str, optional
+        Force a format instead of guessing it.
+    progress : bool, optional
+        A progress bar (default: only for large tables).
+
+    Returns
+    -------
+    dict
+        ``src``, ``dst``, formats, ``shape``, ``dtype``, ``bytes``, ``seconds``.
+
+    Raises
+    ------
+    GadgetError
+        Any problem with either file; ``dst`` is then left as it was.
+    """
+    src_p, dst_p = os.fspath(src), os.fspath(dst)
+    if os.path.abspath(src_p) == os.path.abspath(dst_p):
+        raise GadgetValueError(f"convert: source and destination are the same path {src_p!r}")
+    t0 = time.perf_counter()
+    source = _io.open_source(src_p, format=src_format, dataset=dataset)
+    try:
+        out_fmt = dst_format or _io.guess_format(dst_p, must_exist=False)
+        options: dict[str, Any] = {}
+        name = dst_dataset if dst_dataset is not None else (dataset if out_fmt != "npy" else None)
+        if name is not None:
+            options["dataset"] = name
+        if chunk_rows is not None:
+            options["chunk_rows"] = chunk_rows
+        if compression is not None:
+            options["compression"] = compression
+        sink = _io.open_sink(dst_p, source.shape, source.dtype, format=out_fmt, **options)
+        try:
+            rpb = _rows_per_block(
+                source.row_nbytes,
+                source.chunk_rows if getattr(source, "chunked", False) else 0,
+                getattr(sink, "chunk_rows", None),
+            )
+            buf = np.empty(
+                (min(rpb, max(1, source.num_rows)), *source.shape[1:]), dtype=source.numpy_dtype
+            )
+            bar = progress_bar(source.nbytes, f"convert {src_p} -> {dst_p}", progress)
+            with bar:
+                for start, stop in blocks(source.num_rows, rpb):
+                    block = buf[: stop - start]
+                    source.read_into(start, stop, block)
+                    sink.write(start, block)
+                    bar.update((stop - start) * source.row_nbytes)
+            sink.commit()
+        except BaseException:
+            sink.abort()
+            raise
+    finally:
+        source.close()
+    return {
+        "src": src_p,
+        "dst": dst_p,
+        "src_format": source.format,
+        "dst_format": out_fmt,
+        "shape": tuple(source.shape),
+        "dtype": dtype_name(source.dtype),
+        "bytes": source.nbytes,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``gadgetloader convert``."""
+    parser.add_argument("src", help="source table: .npy, .h5/.hdf5/.hdf or .zarr")
+    parser.add_argument("dst", help="destination (format from its extension)")
+    parser.add_argument("--dataset", help="array inside the source HDF5 file or zarr group")
+    parser.add_argument("--dst-dataset", help="its name in the destination (default: --dataset)")
+    parser.add_argument("--chunk-rows", type=int, help="rows per chunk in the destination")
+    parser.add_argument(
+        "--compression",
+        help="destination compression: HDF5 gzip|lzf, zarr zstd|gzip|blosc, or none",
+    )
+    parser.add_argument(
+        "--format", dest="src_format", help="force the source format (npy, hdf5, zarr)"
+    )
+    parser.add_argument("--to", dest="dst_format", help="force the destination format")
+    bar = parser.add_mutually_exclusive_group()
+    bar.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="always show a progress bar",
+    )
+    bar.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="never show a progress bar"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``gadgetloader convert``; prints one line and returns the exit status."""
+    try:
+        info = convert(
+            args.src,
+            args.dst,
+            dataset=args.dataset,
+            dst_dataset=getattr(args, "dst_dataset", None),
+            chunk_rows=args.chunk_rows,
+            compression=args.compression,
+            src_format=getattr(args, "src_format", None),
+            dst_format=getattr(args, "dst_format", None),
+            progress=getattr(args, "progress", None),
+        )
+    except GadgetError as exc:
+        print(f"gadgetloader convert: error: {exc}", file=sys.stderr)
+        return 1
+    rate = info["bytes"] / info["seconds"] / 1e9 if info["seconds"] > 0 else float("inf")
+    print(
+        f"{info['src']} ({info['src_format']}) -> {info['dst']} ({info['dst_format']}): "
+        f"{info['shape']} {info['dtype']}, {info['bytes'] / 1e6:.1f} MB in "
+        f"{info['seconds']:.2f} s ({rate:.2f} GB/s)"
+    )
+    return 0

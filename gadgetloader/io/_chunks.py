@@ -1,0 +1,226 @@
+"""Helpers shared by the chunked formats (HDF5, zarr): chunk sizes, aligned writes, fsync,
+and a thread pool that reads and decodes many chunks at once.
+
+Streams hand a sink blocks whose size is set by the staging buffer, not by the
+file's chunking. Writing such a block straight into a chunked file would split
+chunks between two calls, and both HDF5 and zarr then read, decode, merge and
+re-encode the split chunk. :class:`ChunkAligner` keeps the tail of a block (less
+than one chunk) until the next block completes it, so every chunk of a
+sequential save is written exactly once, whole.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._errors import GadgetKeyError, GadgetValueError
+
+__all__ = [
+    "CHUNK_BYTES",
+    "ChunkAligner",
+    "check_compression",
+    "default_chunk_rows",
+    "for_each_chunk",
+    "fsync_tree",
+    "thread_pool",
+]
+
+#: default bytes per chunk for new HDF5 / zarr files (HDF5's own advice: 10 KiB - 1 MiB)
+CHUNK_BYTES = 1 << 20
+
+
+def default_chunk_rows(row_nbytes: int, num_rows: int, chunk_rows: int | None = None) -> int:
+    """Rows per chunk: ``chunk_rows`` if given, else about :data:`CHUNK_BYTES` of rows.
+
+    Raises
+    ------
+    GadgetValueError
+        ``chunk_rows`` is not a positive integer.
+    """
+    if chunk_rows is not None:
+        if (
+            isinstance(chunk_rows, bool)
+            or not isinstance(chunk_rows, (int, np.integer))
+            or chunk_rows < 1
+        ):
+            raise GadgetValueError(f"chunk_rows must be a positive integer; got {chunk_rows!r}")
+        rows = int(chunk_rows)
+    else:
+        rows = max(1, CHUNK_BYTES // max(1, row_nbytes))
+    return max(1, min(rows, max(1, num_rows)))
+
+
+def check_compression(
+    compression: str | None, valid: tuple[str, ...], fmt: str, path: object
+) -> str | None:
+    """Normalise a compression name (``None`` / ``'none'`` mean no compression).
+
+    Raises
+    ------
+    GadgetKeyError
+        A name that ``fmt`` does not support; the message lists the valid ones.
+    """
+    if compression is None:
+        return None
+    name = str(compression).lower()
+    if name in ("none", ""):
+        return None
+    if name not in valid:
+        raise GadgetKeyError(
+            f"Unknown {fmt} compression {compression!r} for {path}; expected one of "
+            f"{[*valid, 'none']}"
+        )
+    return name
+
+
+def fsync_tree(path: str | os.PathLike[str]) -> None:
+    """fsync every file and directory under ``path`` (a zarr store) and ``path`` itself."""
+    root = Path(path)
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        try:
+            fd = os.open(dirpath, os.O_RDONLY)
+        except OSError:  # pragma: no cover - platforms without directory fds
+            continue
+        try:
+            os.fsync(fd)
+        except OSError:  # pragma: no cover
+            pass
+        finally:
+            os.close(fd)
+
+
+class ChunkAligner:
+    """Turns a stream of row blocks into writes of whole chunks.
+
+    Parameters
+    ----------
+    write : callable ``(start, rows) -> None``
+        Writes rows into the file (the format's raw write).
+    num_rows, chunk_rows : int
+        The array's length and its chunk length along the rows.
+    row_shape : tuple of int
+    dtype : numpy.dtype
+
+    Notes
+    -----
+    Holds at most one chunk of rows. Blocks that do not continue the previous one
+    flush what is held first, so any write order stays correct; only sequential
+    streams (every save and convert) avoid partial-chunk writes.
+    """
+
+    def __init__(
+        self,
+        write: Callable[[int, np.ndarray], None],
+        num_rows: int,
+        chunk_rows: int,
+        row_shape: tuple[int, ...],
+        dtype: np.dtype,
+    ) -> None:
+        self._write = write
+        self._n = int(num_rows)
+        self._c = max(1, int(chunk_rows))
+        self._buf = np.empty((min(self._c, max(1, self._n)), *row_shape), dtype=dtype)
+        self._p0 = 0  # first row held
+        self._pn = 0  # rows held
+
+    def _boundary(self, row: int) -> int:
+        """The end of the chunk holding ``row``."""
+        return min(self._n, (row // self._c + 1) * self._c)
+
+    def flush(self) -> None:
+        """Write what is held (possibly a partial chunk)."""
+        if self._pn:
+            self._write(self._p0, self._buf[: self._pn])
+            self._pn = 0
+
+    def write(self, start: int, rows: np.ndarray) -> None:
+        """Accept rows ``start : start + len(rows)``."""
+        n = int(rows.shape[0])
+        if n == 0:
+            return
+        if self._pn and start != self._p0 + self._pn:
+            self.flush()
+        cur, pos = int(start), 0
+        if self._pn:
+            end = self._p0 + self._pn
+            take = min(n, self._boundary(self._p0) - end)
+            self._buf[self._pn : self._pn + take] = rows[:take]
+            self._pn += take
+            cur, pos = cur + take, take
+            if self._p0 + self._pn == self._boundary(self._p0):
+                self.flush()
+            if pos == n:
+                return
+        # an unaligned head (only after a non-sequential write): up to the next boundary
+        if cur % self._c:
+            take = min(n - pos, self._boundary(cur) - cur)
+            self._write(cur, rows[pos : pos + take])
+            cur, pos = cur + take, pos + take
+            if pos == n:
+                return
+        left = n - pos
+        full = left if cur + left == self._n else (left // self._c) * self._c
+        if full:
+            self._write(cur, rows[pos : pos + full])
+            cur, pos = cur + full, pos + full
+        if pos < n:
+            self._p0, self._pn = cur, n - pos
+            self._buf[: self._pn] = rows[pos:]
+
+
+_pool: list[Any] = [None, 0]  # executor, pid
+#: spread chunk reads over threads only when a call moves at least this many bytes
+_PARALLEL_BYTES = 1 << 20
+
+
+def _workers() -> int:
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+def thread_pool() -> ThreadPoolExecutor:
+    """A process-wide pool for chunk reads and decodes (recreated after a fork)."""
+    if _pool[0] is None or _pool[1] != os.getpid():  # threads do not survive a fork
+        _pool[0] = ThreadPoolExecutor(max_workers=_workers(), thread_name_prefix="gadgetloader-io")
+        _pool[1] = os.getpid()
+    return _pool[0]  # type: ignore[no-any-return]
+
+
+def for_each_chunk(
+    fn: Callable[[int, int], None],
+    chunks: Sequence[int],
+    slots: Sequence[int],
+    chunk_nbytes: int = 0,
+) -> None:
+    """Call ``fn(chunk, slot)`` for every pair, on the thread pool when the call is large.
+
+    File reads (``preadv``, ``readinto``) and numcodecs decoders release the GIL,
+    so several chunks are read and decoded at once on multi-core hosts. Chunks are
+    handed out in groups (about four groups per thread) to keep the per-task
+    overhead small next to the work.
+    """
+    n = len(chunks)
+    workers = _workers()
+    if n < 2 or workers < 2 or n * chunk_nbytes < _PARALLEL_BYTES:
+        for k, s in zip(chunks, slots, strict=True):
+            fn(k, s)
+        return
+    step = max(1, min(64, -(-n // (4 * workers))))
+
+    def task(i: int) -> None:
+        for k, s in zip(chunks[i : i + step], slots[i : i + step], strict=True):
+            fn(k, s)
+
+    for _ in thread_pool().map(task, range(0, n, step)):
+        pass

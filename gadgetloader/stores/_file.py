@@ -1,0 +1,579 @@
+"""The ``file`` placement: a table that stays in its .npy / HDF5 / zarr file, for tables larger than RAM.
+
+A gather sorts the ids, finds the blocks (the file's chunks) that hold them, reads
+each block once -- from an LRU cache of recently used blocks under a byte budget,
+else from the file -- and gathers the rows in memory with one fancy index. The
+cache is one slab of block-sized slots, allocated on first use: a missing block is
+read straight into the slot it will occupy, so caching costs no copy; blocks that
+do not fit go through a bounded temporary buffer. Chunked sources read all the
+missing chunks of a call at once (on their thread pool); others read runs of
+consecutive blocks with one call each. Rows bound for a GPU leave through a reusable pinned
+staging buffer. A scatter writes through to the file: each touched block is read
+(unless the ids cover it completely), patched with the winning rows (the last
+occurrence of a repeated id), and written back whole.
+
+The store pickles as its file's name: a copy in a DataLoader worker reopens the
+file lazily, and a copy inherited through ``fork`` reopens it in the new process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._dtypes import numpy_dtype
+from .._errors import GadgetTypeError, GadgetValueError, ReadOnlyError
+from .._ids import last_writer
+from ..io import open_source
+from ..io._base import ArraySource
+from ._base import Store
+
+__all__ = ["DEFAULT_CACHE_BYTES", "FileStore", "file_store"]
+
+#: default byte budget of a file-backed store's chunk cache
+DEFAULT_CACHE_BYTES = 256 << 20
+#: block size for sources without their own chunking (.npy, contiguous HDF5)
+UNCHUNKED_BLOCK_BYTES = 4 << 10
+#: most bytes read in one call when consecutive blocks are missing
+_RUN_BYTES = 32 << 20
+#: most bytes of blocks assembled at once during a gather
+_BATCH_BYTES = 64 << 20
+#: pinned buffers and CUDA events inherited through a fork (never freed in the child)
+_INHERITED: list[Any] = []
+#: elementwise initializers that may run block by block
+_ELEMENTWISE: tuple[Any, ...] = (
+    torch.Tensor.zero_,
+    torch.Tensor.fill_,
+    torch.Tensor.uniform_,
+    torch.Tensor.normal_,
+    torch.nn.init.zeros_,
+    torch.nn.init.ones_,
+    torch.nn.init.constant_,
+    torch.nn.init.uniform_,
+    torch.nn.init.normal_,
+)
+
+
+class FileStore(Store):
+    """A table read from (and written through to) its file on demand.
+
+    Parameters
+    ----------
+    source : ArraySource
+        An open source; the store takes ownership (closes it on :meth:`close`).
+    cache_bytes : int, default 256 MiB
+        Budget of the LRU block cache (0 turns it off).
+    writable : bool, optional
+        Whether :meth:`scatter` / :meth:`write_block` write through to the file.
+        Default: when the format can write and the file is writable. ``False``
+        makes the store read-only; ``True`` on a file that cannot be written raises.
+    block_rows : int, optional
+        Rows per read. Default: the file's chunk length, or about 4 KiB (a page) of rows for
+        unchunked files (.npy, contiguous HDF5).
+
+    Notes
+    -----
+    Ids are sorted so every block is read at most once per call, and only blocks
+    holding requested ids are read. For chunked files a block is a chunk -- reading
+    less would still decode the whole chunk -- so random access wants small chunks
+    (a few to a few hundred KiB); sequential loads want large ones. Rows bound for a
+    GPU are gathered into one of two reusable pinned buffers and copied with
+    ``non_blocking=True``. ``stats`` counts cache hits, misses and read calls.
+
+    Writes go straight to the file, block by block; they are visible to this store
+    (its cache is written through as well) but not to copies in other processes,
+    whose caches may hold older rows. A failure part-way (a full disk) can leave
+    earlier blocks of that call written.
+    """
+
+    placement = "file"
+
+    def __init__(
+        self,
+        source: ArraySource,
+        *,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        writable: bool | None = None,
+        block_rows: int | None = None,
+    ) -> None:
+        super().__init__(source.shape, source.dtype)
+        if (
+            isinstance(cache_bytes, bool)
+            or not isinstance(cache_bytes, (int, np.integer))
+            or cache_bytes < 0
+        ):
+            raise GadgetValueError(
+                f"cache_bytes must be a non-negative integer; got {cache_bytes!r}"
+            )
+        if block_rows is not None and (
+            isinstance(block_rows, bool)
+            or not isinstance(block_rows, (int, np.integer))
+            or block_rows < 1
+        ):
+            raise GadgetValueError(f"block_rows must be a positive integer; got {block_rows!r}")
+        self._path = source.path
+        self._format = source.format
+        self._dataset: str | None = getattr(source, "dataset", None) or None
+        self._holder: list[ArraySource | None] = [source]
+        self._src_mode = getattr(source, "_mode", "r")
+        self._npd = numpy_dtype(source.dtype)
+        self.cache_bytes = int(cache_bytes)
+        if block_rows is None:
+            if getattr(source, "chunked", False):
+                block_rows = source.chunk_rows
+            else:
+                block_rows = max(1, UNCHUNKED_BLOCK_BYTES // max(1, self.row_nbytes))
+        self.block_rows = max(1, min(int(block_rows), max(1, self.num_rows)))
+        #: blocks the cache holds: one slab of this many blocks, allocated on first use
+        self._capacity = self.cache_bytes // max(1, self.block_rows * self.row_nbytes)
+        can_write = type(source).supports_writes and os.access(self._path, os.W_OK)
+        if writable and not can_write:
+            raise ReadOnlyError(
+                f"writable=True but {self._path} cannot be written (no write permission, or the "
+                f"{self._format} format does not support writing in place)"
+            )
+        self._writable = bool(can_write if writable is None else writable)
+        self._reset_process_state()
+        self._watch()
+
+    @property
+    def _src(self) -> ArraySource | None:
+        return self._holder[0]
+
+    @_src.setter
+    def _src(self, value: ArraySource | None) -> None:
+        self._holder[0] = value
+
+    def _watch(self) -> None:
+        """Close the file when the store is garbage-collected (not at interpreter exit)."""
+        fin = weakref.finalize(self, _close_held, self._holder)
+        fin.atexit = False
+
+    def _reset_process_state(self) -> None:
+        self._pid = os.getpid()
+        #: block -> slot of the slab, least recently used first
+        self._lru: OrderedDict[int, int] = OrderedDict()
+        self._free: list[int] = list(range(self._capacity - 1, -1, -1))
+        self._slab: np.ndarray | None = None
+        self._stages: list[torch.Tensor | None] = [None, None]
+        self._events: list[Any] = [None, None]
+        self._turn = 0
+        self._last_stage = 0
+        #: counters: blocks served from the cache / read from the file, read calls
+        self.stats = {"hits": 0, "misses": 0, "reads": 0}
+
+    # ---- facts --------------------------------------------------------------------------
+    @property  # type: ignore[override]
+    def supports_writes(self) -> bool:  # type: ignore[override]
+        """Whether scatters write through to the file (False for read-only sources)."""
+        return self._writable
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def format(self) -> str:
+        return self._format
+
+    @property
+    def dataset(self) -> str | None:
+        return self._dataset
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of blocks the cache holds now (never above :attr:`cache_bytes`)."""
+        return len(self._lru) * self.block_rows * self.row_nbytes
+
+    def check_writable(self) -> None:
+        self.check_open()
+        if not self._writable:
+            raise ReadOnlyError(
+                f"this file-backed table is read-only: {self._path} ({self._format}) was opened "
+                "without write access; open it with writable=True on a writable file, or load it "
+                "into memory (placement='cpu', 'pinned' or 'cuda') to change rows"
+            )
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        ds = f"[{self._dataset!r}]" if self._dataset else ""
+        return f"<FileStore {self._format} {self._path}{ds} shape={self._shape} dtype={self._dtype}{state}>"
+
+    # ---- process-local state ------------------------------------------------------------------
+    def _source(self, *, write: bool = False) -> ArraySource:
+        if self._pid != os.getpid():  # inherited through fork: reopen here
+            if self._src is not None:
+                self._src.close()  # a source abandons handles that belong to another process
+            self._src = None
+            self._src_mode = "r"
+            # CUDA objects of the parent must not be destroyed in a forked child: keep them
+            _INHERITED.append((self._stages, self._events))
+            self._reset_process_state()
+        if write and self._src_mode != "r+":
+            if self._src is not None:
+                self._src.close()  # one handle per file: HDF5 refuses 'r+' beside an open 'r'
+            self._src = None
+            self._src_mode = "r+"
+        if self._src is None:
+            self._src = open_source(
+                self._path, format=self._format, dataset=self._dataset, mode=self._src_mode
+            )
+        return self._src
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for key in ("_holder", "_lru", "_free", "_slab", "_stages", "_events", "stats"):
+            state.pop(key, None)
+        state["_src_mode"] = "r"  # a copy opens the file for writing only when it writes
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._holder = [None]
+        self._reset_process_state()
+        self._watch()
+
+    def _release(self) -> None:
+        if self._src is not None:
+            self._src.close()
+        self._src = None
+        self._lru.clear()
+        self._free = list(range(self._capacity - 1, -1, -1))
+        self._slab = None
+        self._stages = [None, None]
+        self._events = [None, None]
+
+    # ---- blocks ---------------------------------------------------------------------------------
+    def _block_range(self, b: int) -> tuple[int, int]:
+        r0 = b * self.block_rows
+        return r0, min(self.num_rows, r0 + self.block_rows)
+
+    def _slot_rows(self, slot: int, b: int) -> np.ndarray:
+        """The cached rows of block ``b`` (a view of its slot in the slab)."""
+        assert self._slab is not None
+        b0, b1 = self._block_range(b)
+        return self._slab[slot * self.block_rows : slot * self.block_rows + b1 - b0]
+
+    def _slab_array(self) -> np.ndarray:
+        if self._slab is None:
+            self._slab = np.empty((self._capacity * self.block_rows, *self.row_shape), self._npd)
+        return self._slab
+
+    def _forget(self, b: int) -> None:
+        slot = self._lru.pop(b, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def _runs(self, blocks: np.ndarray) -> list[tuple[int, int]]:
+        """Split sorted block numbers into ``(first, last)`` runs of consecutive blocks."""
+        if blocks.size == 0:
+            return []
+        limit = max(1, _RUN_BYTES // max(1, self.block_rows * self.row_nbytes))
+        runs: list[tuple[int, int]] = []
+        breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
+        for seg in np.split(blocks, breaks):
+            for i in range(0, seg.size, limit):
+                part = seg[i : i + limit]
+                runs.append((int(part[0]), int(part[-1])))
+        return runs
+
+    def _read_rows(self, start: int, stop: int) -> np.ndarray:
+        buf = np.empty((stop - start, *self.row_shape), dtype=self._npd)
+        self._source().read_into(start, stop, buf)
+        self.stats["reads"] += 1
+        return buf
+
+    def _read_blocks(self, blocks: list[int], dest: np.ndarray, slots: list[int]) -> None:
+        """Read block ``blocks[j]`` into ``dest[slots[j] * block_rows :]`` for every j.
+
+        Sources that read many chunks at once (``read_chunks``) get one call;
+        others one ``read_into`` per run of blocks that are consecutive both in the
+        file and in ``dest``.
+        """
+        if not blocks:
+            return
+        src = self._source()
+        b_rows = self.block_rows
+        reader = getattr(src, "read_chunks", None)
+        if reader is not None and getattr(src, "chunked", False) and src.chunk_rows == b_rows:
+            reader(blocks, dest, slots)
+            self.stats["reads"] += 1
+            return
+        limit = max(1, _RUN_BYTES // max(1, b_rows * self.row_nbytes))
+        i, n = 0, len(blocks)
+        while i < n:
+            j = i
+            while (
+                j + 1 < n
+                and j + 1 - i < limit
+                and blocks[j + 1] == blocks[j] + 1
+                and slots[j + 1] == slots[j] + 1
+            ):
+                j += 1
+            r0 = blocks[i] * b_rows
+            r1 = self._block_range(blocks[j])[1]
+            src.read_into(r0, r1, dest[slots[i] * b_rows : slots[i] * b_rows + r1 - r0])
+            self.stats["reads"] += 1
+            i = j + 1
+
+    # ---- row movement -----------------------------------------------------------------------------
+    def _stage(self, n: int) -> torch.Tensor:
+        """A pinned host buffer for ``n`` rows that no pending copy is reading."""
+        i = self._turn
+        self._turn ^= 1
+        ev = self._events[i]
+        if ev is not None:
+            ev.synchronize()
+            self._events[i] = None
+        stage = self._stages[i]
+        shape = (n, *self.row_shape)
+        if stage is None or stage.shape[0] < n:
+            rows = max(n, 2 * stage.shape[0]) if stage is not None else n
+            stage = torch.empty((rows, *self.row_shape), dtype=self._dtype, pin_memory=True)
+            self._stages[i] = stage
+        self._last_stage = i
+        return stage[:n].view(shape)
+
+    def _gather_rows(self, flat: np.ndarray, result: np.ndarray) -> None:
+        """``result[i] = table[flat[i]]``, reading each needed block once."""
+        b_rows = self.block_rows
+        order = np.argsort(flat, kind="stable")
+        sorted_ids = flat[order]
+        blk = sorted_ids // b_rows
+        blocks, counts = np.unique(blk, return_counts=True)
+        which = np.repeat(np.arange(blocks.size, dtype=np.int64), counts)  # block of each id
+        local = sorted_ids - blk * b_rows
+        # 1. cache lookups first, so blocks read below cannot evict this call's hits
+        slot = np.full(blocks.size, -1, dtype=np.int64)
+        lru = self._lru
+        for j, b in enumerate(blocks.tolist()):
+            hit = lru.get(b)
+            if hit is not None:
+                lru.move_to_end(b)
+                slot[j] = hit
+        missing = np.flatnonzero(slot < 0)
+        self.stats["hits"] += blocks.size - missing.size
+        self.stats["misses"] += missing.size
+        # 2. missing blocks go straight into free or least recently used slots ...
+        room = self._capacity - (blocks.size - missing.size)
+        cached = missing[: max(0, room)]
+        if cached.size:
+            slab = self._slab_array()
+            new: list[int] = []
+            for _ in range(cached.size):
+                new.append(self._free.pop() if self._free else lru.popitem(last=False)[1])
+            self._read_blocks(blocks[cached].tolist(), slab, new)
+            for b, sl in zip(blocks[cached].tolist(), new, strict=True):
+                lru[b] = sl
+            slot[cached] = new
+        if self._slab is not None:
+            inside = slot[which] >= 0
+            pick = order[inside] if not inside.all() else order
+            rows_at = slot[which][inside] * b_rows + local[inside]
+            result[pick] = self._slab[rows_at]
+        # 3. ... and those that do not fit through a bounded temporary buffer
+        rest = missing[max(0, room) :]
+        per_batch = max(1, _BATCH_BYTES // max(1, b_rows * self.row_nbytes))
+        for k in range(0, rest.size, per_batch):
+            part = rest[k : k + per_batch]
+            tmp = np.empty((part.size * b_rows, *self.row_shape), dtype=self._npd)
+            self._read_blocks(blocks[part].tolist(), tmp, list(range(part.size)))
+            at = np.full(blocks.size, -1, dtype=np.int64)
+            at[part] = np.arange(part.size)
+            lo = int(np.searchsorted(which, part[0]))
+            hi = int(np.searchsorted(which, part[-1], side="right"))
+            pos = at[which[lo:hi]]
+            sel = pos >= 0
+            result[order[lo:hi][sel]] = tmp[pos[sel] * b_rows + local[lo:hi][sel]]
+
+    def gather(
+        self,
+        ids: torch.Tensor,
+        device: torch.device,
+        out: torch.Tensor | None = None,
+        strategy: str = "auto",
+    ) -> torch.Tensor:
+        """Rows at ``ids`` on ``device``; reads each needed block once (cache first)."""
+        self.check_open()
+        self._source()  # reopen after a fork before anything else
+        flat = ids.reshape(-1).cpu().numpy()
+        n = flat.size
+        to_cuda = device.type == "cuda"
+        result_t = (
+            self._stage(n) if to_cuda else torch.empty((n, *self.row_shape), dtype=self._dtype)
+        )
+        result = _numpy_bits(result_t)
+        if n:
+            self._gather_rows(flat, result)
+        shaped = result_t.view(*ids.shape, *self.row_shape)
+        if to_cuda:
+            target = (
+                out
+                if out is not None
+                else torch.empty(shaped.shape, dtype=self._dtype, device=device)
+            )
+            target.copy_(shaped, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self._events[self._last_stage] = ev
+            return target
+        if out is not None:
+            out.copy_(shaped)
+            return out
+        return shaped
+
+    def scatter(self, ids: torch.Tensor, rows: torch.Tensor, strategy: str = "auto") -> None:
+        """``table[ids] = rows`` written through to the file; a repeated id takes its last row."""
+        self.check_writable()
+        src = _numpy_bits(rows.reshape(-1, *self.row_shape).detach().cpu().contiguous())
+        plan = last_writer(ids.reshape(-1).cpu())
+        sel = plan.keep.nonzero().squeeze(1)
+        uid = plan.ids[sel].numpy()
+        win = src[plan.pos[sel].numpy()]
+        if uid.size == 0:
+            return
+        writer = self._source(write=True)
+        blk = uid // self.block_rows
+        blocks = np.unique(blk)
+        for first, last in self._runs(blocks):
+            r0 = self._block_range(first)[0]
+            r1 = self._block_range(last)[1]
+            lo = int(np.searchsorted(uid, r0))
+            hi = int(np.searchsorted(uid, r1))
+            if hi - lo == r1 - r0:  # the ids cover the run completely
+                buf = win[lo:hi]
+            else:
+                buf = np.empty((r1 - r0, *self.row_shape), dtype=self._npd)
+                uncached = []
+                for b in range(first, last + 1):
+                    b0, b1 = self._block_range(b)
+                    sl = self._lru.get(b)
+                    if sl is not None:
+                        buf[b0 - r0 : b1 - r0] = self._slot_rows(sl, b)
+                    else:
+                        uncached.append(b)
+                for f2, l2 in self._runs(np.asarray(uncached, dtype=np.int64)):
+                    a0, a1 = self._block_range(f2)[0], self._block_range(l2)[1]
+                    self._source(write=True).read_into(a0, a1, buf[a0 - r0 : a1 - r0])
+                    self.stats["reads"] += 1
+                buf[uid[lo:hi] - r0] = win[lo:hi]
+            writer.write_rows(r0, buf)
+            for b in range(first, last + 1):  # the cache is written through as well
+                sl = self._lru.get(b)
+                if sl is not None:
+                    b0, b1 = self._block_range(b)
+                    self._slot_rows(sl, b)[...] = buf[b0 - r0 : b1 - r0]
+
+    def read_block(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` read from the file as a new CPU tensor."""
+        self.check_open()
+        buf = self._read_rows(start, stop)
+        return _torch_bits(buf, self._dtype)
+
+    def write_block(self, start: int, rows: torch.Tensor) -> None:
+        """Write contiguous rows from ``start`` through to the file."""
+        self.check_writable()
+        data = _numpy_bits(rows.detach().cpu().contiguous())
+        stop = start + data.shape[0]
+        if stop <= start:
+            return
+        self._source(write=True).write_rows(start, data)
+        for b in range(start // self.block_rows, (stop - 1) // self.block_rows + 1):
+            self._forget(b)
+
+    def apply_(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """Run an elementwise initializer (``zero_``, ``fill_``, ``uniform_``, ``normal_``,
+        ``torch.nn.init.{zeros_, ones_, constant_, uniform_, normal_}``) block by block.
+
+        Raises
+        ------
+        GadgetTypeError
+            For other initializers: those that look at the whole tensor's shape
+            (``xavier_uniform_``, ``orthogonal_``, ...) would see one block only.
+        """
+        self.check_writable()
+        if fn not in _ELEMENTWISE:
+            raise GadgetTypeError(
+                f"{getattr(fn, '__name__', fn)!r} cannot run on a file-backed table block by block; "
+                "file-backed tables take elementwise initializers (zero_, fill_, uniform_, normal_); "
+                "initialize the table in memory and save it instead"
+            )
+        step = max(1, (64 << 20) // max(1, self.row_nbytes))
+        with torch.no_grad():
+            for start in range(0, self.num_rows, step):
+                block = self.read_block(start, min(self.num_rows, start + step))
+                fn(block, *args, **kwargs)
+                self.write_block(start, block)
+
+    def flush(self) -> None:
+        """Ask the source to push written rows to the file (where it buffers)."""
+        if self._src is not None and hasattr(self._src, "flush"):
+            self._src.flush()
+
+    def synchronize(self) -> None:
+        ev = [e for e in self._events if e is not None]
+        for e in ev:
+            e.synchronize()
+
+
+def _close_held(holder: list[ArraySource | None]) -> None:
+    src = holder[0]
+    holder[0] = None
+    if src is not None:
+        with contextlib.suppress(Exception):  # never raise from a finalizer
+            src.close()
+
+
+def _numpy_bits(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a CPU tensor (bfloat16 as uint16 bits)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def _torch_bits(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+_OPTIONS = ("cache_bytes", "writable", "block_rows")
+
+
+def file_store(
+    source: Any, *, format: str | None = None, dataset: str | None = None, **options: Any
+) -> FileStore:
+    """A :class:`FileStore` over ``source`` (an open :class:`~gadgetloader.io.ArraySource` or a path).
+
+    Parameters
+    ----------
+    source : ArraySource, str or path
+    format, dataset : str, optional
+        For a path: force the format; the array inside an HDF5 file or zarr group.
+    **options
+        ``cache_bytes``, ``writable``, ``block_rows`` (see :class:`FileStore`).
+
+    Raises
+    ------
+    GadgetTypeError
+        An unknown option (the message lists the valid ones).
+    """
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise GadgetTypeError(
+            f"unexpected option(s) {unknown} for placement='file'; expected some of {list(_OPTIONS)}"
+        )
+    if not isinstance(source, ArraySource):
+        source = open_source(os.fspath(source), format=format, dataset=dataset)
+    if source.num_rows == 0:
+        source.close()
+        raise GadgetValueError(
+            f"{source.path} holds a table with zero rows {source.shape}; nothing to read"
+        )
+    return FileStore(source, **options)
