@@ -122,6 +122,12 @@ class NpySource(ArraySource):
                 )
             done += n
 
+    def memmap(self) -> np.ndarray | None:
+        """A read-only memory map of the rows (None for Fortran-ordered files)."""
+        if self._fortran:
+            return None
+        return np.memmap(self.path, dtype=self._file_dtype, mode="r", offset=self._offset, shape=self.shape)
+
     def write_rows(self, start: int, rows: np.ndarray) -> None:
         if self._fortran:
             raise GadgetValueError(f"{self.path}: cannot write into a Fortran-ordered .npy")
