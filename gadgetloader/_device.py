@@ -150,6 +150,8 @@ def cupy_stream(device: torch.device) -> Any:
         if stream is None:  # CuPy 13 (deprecated from CuPy 14 on, hence the filter)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
-                stream = cp.cuda.ExternalStream(handle, device.index if device.index is not None else 0)
+                stream = cp.cuda.ExternalStream(
+                    handle, device.index if device.index is not None else 0
+                )
         _streams[handle] = stream
     return stream

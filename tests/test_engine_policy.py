@@ -24,7 +24,9 @@ def test_auto_policy(with_cupy: None) -> None:
     small, big = _table(512 << 20), _table(64 << 30)
     assert _engine.resolve_strategy("auto", small, 131072, host) == "kernel"
     assert _engine.resolve_strategy("auto", big, 100, host) == "kernel"
-    assert _engine.resolve_strategy("auto", _table(16 << 30), 1 << 20, host) == "sorted"  # 16 KB per id
+    assert (
+        _engine.resolve_strategy("auto", _table(16 << 30), 1 << 20, host) == "sorted"
+    )  # 16 KB per id
     assert _engine.resolve_strategy("auto", big, 131072, host) == "hybrid"  # 512 KB per id
     assert _engine.resolve_strategy("auto", big, 131072, None) == "sorted"  # no host view: GPU only
     assert _engine.resolve_strategy("auto", big, 131072, host, kind="scatter") == "kernel"
@@ -39,7 +41,9 @@ def test_without_cupy_everything_uses_torch(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_unknown_strategy_lists_valid_ones() -> None:
-    with pytest.raises(gl.GadgetKeyError, match=r"Unknown strategy 'fast'; expected one of \['auto'"):
+    with pytest.raises(
+        gl.GadgetKeyError, match=r"Unknown strategy 'fast'; expected one of \['auto'"
+    ):
         _engine.resolve_strategy("fast", _table(1 << 20), 10)
     with pytest.raises(gl.GadgetValueError):
         _engine.set_hybrid_fraction(1.5)

@@ -122,7 +122,9 @@ def test_variable_transformer_shapes(device):
     assert pos.tolist() == [[0, 1], [2, 3], [4, 5]]
     assert neg.shape == (3, 4) and neg[0, 0] == 6 and neg[-1, -1] == 17
     assert isinstance(pos, np.ndarray) and pos.dtype == np.int64  # as SpeedTorch returned them
-    assert torch.LongTensor(pos).tolist() == pos.tolist()  # old `torch.LongTensor(dummy)` code works
+    assert (
+        torch.LongTensor(pos).tolist() == pos.tolist()
+    )  # old `torch.LongTensor(dummy)` code works
     assert sw.variableTransformer(2, 3).shape == (2, 3)
 
 

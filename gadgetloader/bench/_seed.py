@@ -258,7 +258,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "torch GPU-resident index_copy_",
                 "scatter",
                 lambda: resident.index_copy_(0, uids, rows_dev),
-                _then(lambda: resident.index_copy_(0, uids, rows_dev), lambda: equal(resident, after)),
+                _then(
+                    lambda: resident.index_copy_(0, uids, rows_dev), lambda: equal(resident, after)
+                ),
             )
         )
 

@@ -20,14 +20,31 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes-gb", default="0.5,4,16,64", help="table sizes in GB (capped by free RAM)")
-    p.add_argument("--widths", default="128", help="row widths in float32 elements (8 -> 32 B rows, 1024 -> 4 KB rows)")
+    p.add_argument(
+        "--sizes-gb", default="0.5,4,16,64", help="table sizes in GB (capped by free RAM)"
+    )
+    p.add_argument(
+        "--widths",
+        default="128",
+        help="row widths in float32 elements (8 -> 32 B rows, 1024 -> 4 KB rows)",
+    )
     p.add_argument("--ids", default="131072,1048576", help="ids per call")
-    p.add_argument("--strategies", default="auto,kernel,sorted,hybrid,torch,staged,naive", help="methods to time")
-    p.add_argument("--hybrid-fractions", default="0.6", help="CPU shares to try for the hybrid strategy")
+    p.add_argument(
+        "--strategies",
+        default="auto,kernel,sorted,hybrid,torch,staged,naive",
+        help="methods to time",
+    )
+    p.add_argument(
+        "--hybrid-fractions", default="0.6", help="CPU shares to try for the hybrid strategy"
+    )
     p.add_argument("--pages", default="default", help="host page kinds to try: default,thp,hugetlb")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--naive-max-ids", type=int, default=131072, help="skip naive torch above this many ids (slow)")
+    p.add_argument(
+        "--naive-max-ids",
+        type=int,
+        default=131072,
+        help="skip naive torch above this many ids (slow)",
+    )
     p.add_argument("--plot", metavar="FILE.png", help="draw GB/s against table size per method")
 
 
@@ -92,17 +109,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     ref = host[ids_cpu].to(dev)
                     out = torch.empty_like(ref)
                     new_rows = torch.rand(uids.numel(), width, device=dev)
-                    base = {"pages": pages, "table_GB": size, "width": width, "row_bytes": row_bytes, "ids": n}
-                    results.append({**base, "method": "memcpy", "kind": "gather", "GBps": link["h2d_GBps"]})
-                    results.append({**base, "method": "memcpy", "kind": "scatter", "GBps": link["d2h_GBps"]})
+                    base = {
+                        "pages": pages,
+                        "table_GB": size,
+                        "width": width,
+                        "row_bytes": row_bytes,
+                        "ids": n,
+                    }
+                    results.append(
+                        {**base, "method": "memcpy", "kind": "gather", "GBps": link["h2d_GBps"]}
+                    )
+                    results.append(
+                        {**base, "method": "memcpy", "kind": "scatter", "GBps": link["d2h_GBps"]}
+                    )
                     for method in methods:
-                        variants = [(f"hybrid {f:.2f}", f) for f in fractions] if method == "hybrid" else [(method, None)]
+                        variants = (
+                            [(f"hybrid {f:.2f}", f) for f in fractions]
+                            if method == "hybrid"
+                            else [(method, None)]
+                        )
                         for name, frac in variants:
                             if frac is not None:
                                 _engine.set_hybrid_fraction(frac)
                             if method == "naive" and n > args.naive_max_ids:
                                 continue
-                            g_fn, s_fn = _methods(method, table, host, ids, ids_cpu, uids, uids_cpu, out, new_rows, dev)
+                            g_fn, s_fn = _methods(
+                                method,
+                                table,
+                                host,
+                                ids,
+                                ids_cpu,
+                                uids,
+                                uids_cpu,
+                                out,
+                                new_rows,
+                                dev,
+                            )
                             for kind, fn in (("gather", g_fn), ("scatter", s_fn)):
                                 entry = {**base, "method": name, "kind": kind}
                                 try:
@@ -115,16 +157,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                         saved = host[uids_cpu].clone()
                                         fn()
                                         torch.cuda.synchronize()
-                                        ok = torch.equal(torch.index_select(table, 0, uids), new_rows)
+                                        ok = torch.equal(
+                                            torch.index_select(table, 0, uids), new_rows
+                                        )
                                         entry["check"] = "ok" if ok else "WRONG"
                                     if entry["check"] == "ok":
                                         reps = 3 if method == "naive" else args.repeats
                                         t = time_fn(fn, repeats=reps, warmup=1)
                                         moved = nbytes if kind == "gather" else scatter_bytes
                                         entry.update(ms=t["ms"], GBps=gbps(moved, t["ms"]))
-                                        entry["of_memcpy"] = entry["GBps"] / (link["h2d_GBps"] if kind == "gather" else link["d2h_GBps"])
+                                        entry["of_memcpy"] = entry["GBps"] / (
+                                            link["h2d_GBps"]
+                                            if kind == "gather"
+                                            else link["d2h_GBps"]
+                                        )
                                     if kind == "scatter":
-                                        host[uids_cpu] = saved  # restore for the next method's gather check
+                                        host[uids_cpu] = (
+                                            saved  # restore for the next method's gather check
+                                        )
                                         torch.cuda.synchronize()
                                 except Exception as exc:
                                     entry["error"] = f"{type(exc).__name__}: {exc}"[:200]
@@ -133,14 +183,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"  done: pages={pages} {size} GB width {width} ids {n}", flush=True)
         store.close()
         del store, flat_dev, flat_host
-    report = {"benchmark": "sweep", "device": torch.cuda.get_device_name(), "cpu_threads": torch.get_num_threads(), "results": results, "skipped": skipped}
+    report = {
+        "benchmark": "sweep",
+        "device": torch.cuda.get_device_name(),
+        "cpu_threads": torch.get_num_threads(),
+        "results": results,
+        "skipped": skipped,
+    }
     _print(report)
     if getattr(args, "plot", None):
         _plot(report, args.plot)
     return report
 
 
-def _methods(method: str, table: torch.Tensor, host: torch.Tensor, ids: torch.Tensor, ids_cpu: torch.Tensor, uids: torch.Tensor, uids_cpu: torch.Tensor, out: torch.Tensor, new_rows: torch.Tensor, dev: torch.device) -> tuple[Any, Any]:
+def _methods(
+    method: str,
+    table: torch.Tensor,
+    host: torch.Tensor,
+    ids: torch.Tensor,
+    ids_cpu: torch.Tensor,
+    uids: torch.Tensor,
+    uids_cpu: torch.Tensor,
+    out: torch.Tensor,
+    new_rows: torch.Tensor,
+    dev: torch.device,
+) -> tuple[Any, Any]:
     from ..transfer import _engine
 
     if method in ("auto", "kernel", "sorted", "torch", "hybrid"):
@@ -149,7 +216,9 @@ def _methods(method: str, table: torch.Tensor, host: torch.Tensor, ids: torch.Te
             lambda: _engine.gather(table, gids, out=out, strategy=method, host=host),
             lambda: _engine.scatter(table, uids, new_rows, strategy=method, host=host),
         )
-    if method.startswith("kernel-"):  # kernel variants: kernel-u<unroll>, kernel-v<max vector bytes>
+    if method.startswith(
+        "kernel-"
+    ):  # kernel variants: kernel-u<unroll>, kernel-v<max vector bytes>
         from ..transfer import _kernels
 
         value = int(method[8:])
@@ -191,11 +260,26 @@ def _methods(method: str, table: torch.Tensor, host: torch.Tensor, ids: torch.Te
 
 def _print(report: dict[str, Any]) -> None:
     rows = [
-        [r["pages"], r["table_GB"], r["row_bytes"], r["ids"], r["kind"], r["method"], r.get("GBps"), r.get("of_memcpy"), r.get("check", r.get("error", ""))]
+        [
+            r["pages"],
+            r["table_GB"],
+            r["row_bytes"],
+            r["ids"],
+            r["kind"],
+            r["method"],
+            r.get("GBps"),
+            r.get("of_memcpy"),
+            r.get("check", r.get("error", "")),
+        ]
         for r in report["results"]
     ]
     print(f"sweep on {report['device']} ({report['cpu_threads']} CPU threads)")
-    print(format_table(["pages", "table GB", "row B", "ids", "kind", "method", "GB/s", "of memcpy", "check"], rows))
+    print(
+        format_table(
+            ["pages", "table GB", "row B", "ids", "kind", "method", "GB/s", "of memcpy", "check"],
+            rows,
+        )
+    )
     for s in report["skipped"]:
         print(f"skipped: {s}")
 
@@ -211,13 +295,23 @@ def _plot(report: dict[str, Any], path: str) -> None:
         return
     res = [r for r in report["results"] if "GBps" in r]
     panels = sorted({(r["kind"], r["ids"], r["row_bytes"]) for r in res})
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4), squeeze=False)
+    fig, axes = plt.subplots(
+        1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4), squeeze=False
+    )
     for ax, (kind, n, rb) in zip(axes[0], panels, strict=False):
         sel = [r for r in res if (r["kind"], r["ids"], r["row_bytes"]) == (kind, n, rb)]
         for label in sorted({(r["method"], r["pages"]) for r in sel}):
-            pts = sorted((r["table_GB"], r["GBps"]) for r in sel if (r["method"], r["pages"]) == label)
+            pts = sorted(
+                (r["table_GB"], r["GBps"]) for r in sel if (r["method"], r["pages"]) == label
+            )
             name = label[0] if label[1] == "default" else f"{label[0]} [{label[1]}]"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, linestyle="--" if label[0] == "memcpy" else "-")
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="o",
+                label=name,
+                linestyle="--" if label[0] == "memcpy" else "-",
+            )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("table size (GB)")
         ax.set_ylabel("GB/s")

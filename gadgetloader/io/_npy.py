@@ -126,7 +126,9 @@ class NpySource(ArraySource):
         """A read-only memory map of the rows (None for Fortran-ordered files)."""
         if self._fortran:
             return None
-        return np.memmap(self.path, dtype=self._file_dtype, mode="r", offset=self._offset, shape=self.shape)
+        return np.memmap(
+            self.path, dtype=self._file_dtype, mode="r", offset=self._offset, shape=self.shape
+        )
 
     def write_rows(self, start: int, rows: np.ndarray) -> None:
         if self._fortran:

@@ -118,11 +118,14 @@ class HostBuffer:
             fin.atexit = False  # the OS reclaims it; CUDA may be gone at exit
             self._finalizer = fin
 
-
     def _init_cuda_host_alloc(self) -> None:
         """Let the CUDA driver allocate the pinned memory (``cudaHostAlloc``)."""
         cp = get_cupy("the pinned placement")
-        ptr = int(cp.cuda.runtime.hostAlloc(self.nbytes, _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED))
+        ptr = int(
+            cp.cuda.runtime.hostAlloc(
+                self.nbytes, _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
+            )
+        )
         self._mm = None
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(ptr))
         self.host_ptr = ptr

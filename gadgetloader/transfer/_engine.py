@@ -126,7 +126,10 @@ def gather(
     device = table.device
     if out is None:
         out = torch.empty((n, *row_shape), dtype=table.dtype, device=device)
-    elif tuple(out.shape) not in ((*ids.shape, *row_shape), (n, *row_shape)) or not out.is_contiguous():
+    elif (
+        tuple(out.shape) not in ((*ids.shape, *row_shape), (n, *row_shape))
+        or not out.is_contiguous()
+    ):
         raise GadgetValueError(
             f"out must be a contiguous tensor of shape {(*ids.shape, *row_shape)}; got {tuple(out.shape)}"
         )
@@ -149,7 +152,9 @@ def gather(
     return out.view(tuple(ids.shape) + row_shape)
 
 
-def _hybrid_gather(table: torch.Tensor, host: torch.Tensor, flat: torch.Tensor, out: torch.Tensor) -> None:
+def _hybrid_gather(
+    table: torch.Tensor, host: torch.Tensor, flat: torch.Tensor, out: torch.Tensor
+) -> None:
     n = flat.numel()
     k = int(n * _hybrid["fraction"])
     device = table.device
@@ -209,7 +214,14 @@ def scatter(
         _kernels.launch_scatter(table, plan.ids, src, plan.pos, plan.keep)
 
 
-def _hybrid_scatter(table: torch.Tensor, host: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, src: torch.Tensor) -> None:
+def _hybrid_scatter(
+    table: torch.Tensor,
+    host: torch.Tensor,
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    keep: torch.Tensor,
+    src: torch.Tensor,
+) -> None:
     n = ids.numel()
     k = int(n * _hybrid["fraction"])
     device = table.device
