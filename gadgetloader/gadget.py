@@ -326,6 +326,15 @@ class DataGadget:
             return
         self._store.scatter(ids, data, strategy=self._strategy)
 
+    def gadgetInit(self) -> DataGadget:
+        """SpeedTorch's second construction step, kept so its code runs unchanged.
+
+        gadgetloader loads the table when the gadget is built, so this only checks
+        that the gadget is open and returns it.
+        """
+        self._store.check_open()
+        return self
+
     def __getitem__(self, indexes: Any) -> torch.Tensor:
         return self.getData(indexes)
 

@@ -220,3 +220,15 @@ def test_scalar_id_on_a_one_dimensional_table(placement: str, device: torch.devi
     assert g.getData([4, 0]).cpu().tolist() == [40, 0]
     g.insertData(torch.tensor([7, 9]), [1, 1])
     assert int(g.getData(1)) == 9
+
+
+def test_speedtorch_construction_sequence(tmp_path: object) -> None:
+    """SpeedTorch code: DataGadget(file, CPUPinn=...) then gadgetInit() then getData."""
+    path = str(tmp_path / "t.npy")  # type: ignore[operator]
+    np.save(path, np.arange(30, dtype=np.float32).reshape(10, 3))
+    g = gl.DataGadget(path, placement="cpu")
+    assert g.gadgetInit() is g
+    np.testing.assert_array_equal(g.getData(np.array([2])).cpu().numpy(), [[6.0, 7.0, 8.0]])
+    g.close()
+    with pytest.raises(gl.GadgetClosedError):
+        g.gadgetInit()
