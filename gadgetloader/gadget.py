@@ -45,6 +45,14 @@ def as_tensor_data(data: Any, what: str = "data") -> torch.Tensor:
     )
 
 
+def _cuda_unusable_here() -> bool:
+    """True in a DataLoader worker or a process forked after CUDA started."""
+    from torch.utils.data import get_worker_info
+
+    bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)
+    return get_worker_info() is not None or bool(bad_fork())
+
+
 def _is_shape(obj: Any) -> bool:
     return (
         isinstance(obj, (tuple, list))
@@ -256,7 +264,10 @@ class DataGadget:
             Row ids of any integer dtype and any shape; the result has shape
             ``indexes.shape + row_shape`` (a plain int gives one row without a leading axis).
         device : optional
-            Deliver to this device instead of :attr:`device`.
+            Deliver to this device instead of :attr:`device`. In a DataLoader worker
+            process, or a process forked after CUDA started, rows come back on the
+            CPU by default (CUDA cannot be used there) and an explicit CUDA device
+            is an error.
         out : torch.Tensor, optional
             A contiguous tensor of the result's shape and dtype to fill (on the GPU path).
         check_ids : bool, default True
@@ -275,6 +286,13 @@ class DataGadget:
         """
         self._store.check_open()
         dev = self._device if device is None else resolve_device(device)
+        if dev.type == "cuda" and _cuda_unusable_here():
+            if device is not None:
+                raise GadgetTypeError(
+                    "CUDA cannot be used in this process (a DataLoader worker, or a process "
+                    "forked after CUDA started); gather with device='cpu'"
+                )
+            dev = torch.device("cpu")
         ids = as_ids(indexes, len(self), self._store.ids_device(dev), check=check_ids)
         return self._store.gather(ids, dev, out=out, strategy=self._strategy)
 

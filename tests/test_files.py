@@ -235,7 +235,7 @@ def test_rows_of_any_shape_and_1d_tables(tmp_path: Path, fmt: str) -> None:
         for placement in ("cpu", "file"):
             with gl.DataGadget(path, placement=placement) as g:
                 assert g.shape == tuple(src.shape)
-                assert torch.equal(g.getData([3, 1, 3]), src[[3, 1, 3]])
+                assert torch.equal(g.getData([3, 1, 3]).cpu(), src[[3, 1, 3]])
 
 
 def test_saving_over_a_file_replaces_it(tmp_path: Path, fmt: str) -> None:
@@ -303,7 +303,7 @@ def test_hdf5_layouts_read_exactly(tmp_path: Path, layout: dict[str, object]) ->
     with gl.DataGadget(path, placement="cpu") as g:
         assert np.array_equal(g.getNumpyVersion(), data)
     with gl.DataGadget(path, placement="file", cache_bytes=1000) as g:
-        assert np.array_equal(g.getData(ids).numpy(), data[ids])
+        assert np.array_equal(g.getData(ids).cpu().numpy(), data[ids])
         assert np.array_equal(g.store.read_block(3, 150).numpy(), data[3:150])
 
 
@@ -315,7 +315,7 @@ def test_hdf5_unwritten_chunks_read_as_fill_value(tmp_path: Path) -> None:
     expect = np.full((100, 4), 2.5, dtype=np.float32)
     expect[20:30] = 1.0
     with gl.DataGadget(path, placement="file") as g:
-        assert np.array_equal(g.getData(range(100)).numpy(), expect)
+        assert np.array_equal(g.getData(range(100)).cpu().numpy(), expect)
 
 
 def test_zarr_v2_arrays_and_groups(tmp_path: Path) -> None:
@@ -338,7 +338,7 @@ def test_zarr_v2_arrays_and_groups(tmp_path: Path) -> None:
     for path, dataset in ((tmp_path / "v2.zarr", None), (tmp_path / "g.zarr", "deep/emb")):
         for placement in ("cpu", "file"):
             with gl.DataGadget(path, placement=placement, dataset=dataset) as g:
-                assert np.array_equal(g.getData(ids).numpy(), data[ids])
+                assert np.array_equal(g.getData(ids).cpu().numpy(), data[ids])
                 assert np.array_equal(g.getNumpyVersion(), data)
 
 
@@ -350,7 +350,7 @@ def test_zarr_missing_chunks_read_as_fill_value(tmp_path: Path) -> None:
     expect = np.full((40, 3), -1.0, dtype=np.float32)
     expect[8:16] = 5.0
     with gl.DataGadget(tmp_path / "f.zarr", placement="file") as g:
-        assert np.array_equal(g.getData(range(40)).numpy(), expect)
+        assert np.array_equal(g.getData(range(40)).cpu().numpy(), expect)
 
 
 def test_format_by_extension_content_or_argument(tmp_path: Path) -> None:
@@ -363,7 +363,7 @@ def test_format_by_extension_content_or_argument(tmp_path: Path) -> None:
         os.rename(p, plain)
         assert gio.guess_format(plain) == name
         with gl.DataGadget(plain, placement="cpu") as g:
-            assert torch.equal(g.getData(range(ROWS)), src)
+            assert torch.equal(g.getData(range(ROWS)).cpu(), src)
         with gl.DataGadget(plain, placement="cpu", format=name) as g:
             assert g.shape == (ROWS, WIDTH)
     assert gio.guess_format(tmp_path / "x.HDF5", must_exist=False) == "hdf5"
@@ -385,9 +385,9 @@ def test_each_chunk_read_once_per_call(tmp_path: Path) -> None:
         assert store.stats["misses"] == 6 and store.stats["reads"] == 3
     path = write(table(), tmp_path / "t.npy")  # .npy: one gather through a memory map per call
     with gl.DataGadget(path, placement="file", cache_bytes=0, block_rows=10) as g:
-        assert np.array_equal(g.getData([0, 5, 9]).numpy(), table().numpy()[[0, 5, 9]])
+        assert np.array_equal(g.getData([0, 5, 9]).cpu().numpy(), table().numpy()[[0, 5, 9]])
         ids = [12, 25, 39, 100, 12]
-        assert np.array_equal(g.getData(ids).numpy(), table().numpy()[ids])
+        assert np.array_equal(g.getData(ids).cpu().numpy(), table().numpy()[ids])
         assert g.store.stats == {"hits": 0, "misses": 0, "reads": 2}
 
 
@@ -399,7 +399,7 @@ def test_cache_stays_under_budget_and_serves_hits(tmp_path: Path) -> None:
         rng = np.random.default_rng(1)
         for _ in range(20):
             ids = rng.integers(0, ROWS, 30)
-            assert np.array_equal(g.getData(ids).numpy(), table().numpy()[ids])
+            assert np.array_equal(g.getData(ids).cpu().numpy(), table().numpy()[ids])
             assert store.cached_bytes <= 3 * chunk_bytes
         before = dict(store.stats)
         g.getData([200, 201])  # the last chunk read is cached
@@ -442,7 +442,7 @@ def test_save_and_load_from_a_file_store(tmp_path: Path) -> None:
     with gl.DataGadget(path, placement="file") as g:
         g.save(tmp_path / "copy.h5", dataset="x", progress=False)
         g.load(tmp_path / "copy.h5", dataset="x")
-        assert g.placement == "file" and torch.equal(g.getData(range(ROWS)), src)
+        assert g.placement == "file" and torch.equal(g.getData(range(ROWS)).cpu(), src)
     assert np.array_equal(on_disk(tmp_path / "copy.h5", "x"), src.numpy())
 
 
@@ -459,7 +459,7 @@ def test_file_gadget_pickles_without_its_rows(tmp_path: Path, fmt: str) -> None:
         copy = pickle.loads(blob)
         try:
             assert copy.placement == "file" and copy.store.cached_bytes == 0
-            assert torch.equal(copy.getData([19999, 0]), src[[19999, 0]])
+            assert torch.equal(copy.getData([19999, 0]).cpu(), src[[19999, 0]])
         finally:
             copy.close()
 
@@ -468,9 +468,9 @@ def test_cpu_gadget_pickles_by_value() -> None:
     src = table()
     with gl.DataGadget(src, placement="cpu") as g:
         copy = pickle.loads(pickle.dumps(g))
-        assert torch.equal(copy.getData(range(ROWS)), src)
+        assert torch.equal(copy.getData(range(ROWS)).cpu(), src)
         copy.insertData(torch.zeros(1, WIDTH), [0])
-        assert torch.equal(g.getData(0), src[0])  # an independent copy
+        assert torch.equal(g.getData(0).cpu(), src[0])  # an independent copy
 
 
 @pytest.mark.gpu
@@ -545,10 +545,10 @@ def test_many_chunks_are_read_on_the_thread_pool(
     src = table(rows=2003)
     path = write(src, tmp_path / f"t{ext}", chunk_rows=8, **options)  # 251 chunks
     with gl.DataGadget(path, placement="cpu") as g:
-        assert torch.equal(g.getData(range(2003)), src)
+        assert torch.equal(g.getData(range(2003)).cpu(), src)
     with gl.DataGadget(path, placement="file", cache_bytes=20 * 8 * WIDTH * 4) as g:
         ids = np.random.default_rng(0).integers(0, 2003, 1500)
-        assert torch.equal(g.getData(ids), src[ids])
-        assert torch.equal(g.getData(ids[::-1].copy()), src[ids[::-1].copy()])
+        assert torch.equal(g.getData(ids).cpu(), src[ids])
+        assert torch.equal(g.getData(ids[::-1].copy()).cpu(), src[ids[::-1].copy()])
         assert torch.equal(g.store.read_block(3, 1990), src[3:1990])
     assert calls  # the pool was used

@@ -100,7 +100,7 @@ def test_dataloader_workers_read_file_backed_gadgets(tmp_path: Path, context: st
     assert seen.all()
     assert os.getpid() not in pids and len(pids) == 2
     for g in gadgets:  # the parent's copies still work after the workers are gone
-        assert np.array_equal(g.getData([5]).numpy(), data[[5]])
+        assert np.array_equal(g.getData([5]).cpu().numpy(), data[[5]])
         g.close()
 
 
@@ -113,7 +113,7 @@ def test_fork_child_reopens_hdf5(tmp_path: Path) -> None:
     q = ctx.Queue()
 
     def child() -> None:
-        q.put(g.getData([7, 250]).numpy())
+        q.put(g.getData([7, 250]).cpu().numpy())
 
     p = ctx.Process(target=child)
     p.start()
@@ -121,7 +121,7 @@ def test_fork_child_reopens_hdf5(tmp_path: Path) -> None:
     p.join(60)
     assert p.exitcode == 0
     assert np.array_equal(rows, data[[7, 250]])
-    assert np.array_equal(g.getData([9]).numpy(), data[[9]])
+    assert np.array_equal(g.getData([9]).cpu().numpy(), data[[9]])
     g.close()
 
 
@@ -362,7 +362,7 @@ def test_convert_keeps_bfloat16_bits_and_refuses_npy(tmp_path: Path) -> None:
     )
     with gl.DataGadget(tmp_path / "b.zarr", placement="file", dataset="emb") as g:
         assert g.dtype == torch.bfloat16
-        assert torch.equal(g.getData(range(100)).view(torch.int16), bf.view(torch.int16))
+        assert torch.equal(g.getData(range(100)).cpu().view(torch.int16), bf.view(torch.int16))
     with pytest.raises(gl.GadgetTypeError, match="bfloat16"):
         conv.convert(tmp_path / "b.zarr", tmp_path / "b.npy", dataset="emb", progress=False)
     assert not (tmp_path / "b.npy").exists()
@@ -469,9 +469,9 @@ def test_file_store_matches_numpy(
                     for i, j in enumerate(ids):  # the last occurrence wins
                         ref[j] = vals[i]
                 else:
-                    assert np.array_equal(g.getData(ids).numpy().reshape(-1, width), ref[ids])
+                    assert np.array_equal(g.getData(ids).cpu().numpy().reshape(-1, width), ref[ids])
                 assert g.store.cached_bytes <= g.store.cache_bytes
-            assert np.array_equal(g.getData(range(rows)).numpy(), ref)
+            assert np.array_equal(g.getData(range(rows)).cpu().numpy(), ref)
         finally:
             g.close()
         assert np.array_equal(on_disk(path), ref)

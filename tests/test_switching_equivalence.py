@@ -51,6 +51,7 @@ def _config_id(c: tuple[str, dict]) -> str:
 def _make(name: str, params, kw: dict, impl: str) -> torch.optim.Optimizer:
     cls = getattr(torch.optim, name)
     kw = dict(kw)
+    params = list(params)
     if impl != "single":
         import inspect
 
@@ -60,7 +61,12 @@ def _make(name: str, params, kw: dict, impl: str) -> torch.optim.Optimizer:
     elif "foreach" in __import__("inspect").signature(cls.__init__).parameters:
         kw["foreach"] = False
     try:
-        return cls(params, **kw)
+        opt = cls(params, **kw)
+        if impl == "fused":  # torch checks the device only at the first step
+            probe = torch.zeros(1, device=params[0].device, requires_grad=True)
+            probe.grad = torch.zeros_like(probe)
+            cls([probe], **kw).step()
+        return opt
     except (RuntimeError, ValueError) as exc:
         pytest.skip(f"{impl} {name} is not available here: {exc}")
 

@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--memcpy-mib", type=int, default=1024, help="bytes for the memcpy ceiling (MiB)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile", metavar="FILE", help="append torch.profiler tables per method to FILE"
+    )
     p.add_argument("--no-verify", action="store_true", help="skip the cross-check before timing")
 
 
@@ -415,6 +418,23 @@ def _time_steps(
     return statistics.median(per_step)
 
 
+def _profile(m: _Method, batches: list[_Batch], device: torch.device, path: str, name: str) -> None:
+    """Append torch.profiler's busiest ops over a few steps of ``m`` to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for b in batches[:5]:
+            m.step(b)
+        _sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    with open(path, "a") as f:
+        f.write(f"==== {name}: 5 steps, by {key}\n")
+        f.write(prof.key_averages().table(sort_by=key, row_limit=25) + "\n")
+        f.write(f"==== {name}: 5 steps, by cpu_time_total\n")
+        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25) + "\n")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the training benchmark; prints the table and returns a JSON-able dict."""
     methods = [m.strip() for m in str(args.methods).split(",") if m.strip()]
@@ -466,6 +486,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # the same init and the same warm-up batches: exact methods agree on these rows
                 check_rows[name] = (m.rows(0, probe_ids[0]), m.rows(1, probe_ids[1]))
             ms = _time_steps(m, batches, args, device)
+            if getattr(args, "profile", None):
+                _profile(m, batches, device, args.profile, name)
             h2d, d2h = 0, 0
             for b in batches[: min(8, len(batches))]:
                 a, c = m.bytes_per_step(b, row_bytes)
