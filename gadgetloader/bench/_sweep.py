@@ -9,6 +9,7 @@ ceiling for the same bytes is measured in the same run.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 from typing import Any
 
@@ -94,8 +95,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 table = flat_dev[: rows * width].view(rows, width)
                 host = flat_host[: rows * width].view(rows, width)
                 row_bytes = 4 * width
-                for n in id_counts:
-                    n = min(n, rows)
+                for requested in id_counts:
+                    n = min(requested, rows)
                     ids_cpu = torch.randint(0, rows, (n,), generator=gen)
                     ids = ids_cpu.to(dev)
                     uniq = torch.unique(ids_cpu)
@@ -115,6 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "width": width,
                         "row_bytes": row_bytes,
                         "ids": n,
+                        "ids_requested": requested,
                     }
                     results.append(
                         {**base, "method": "memcpy", "kind": "gather", "GBps": link["h2d_GBps"]}
@@ -294,12 +296,16 @@ def _plot(report: dict[str, Any], path: str) -> None:
         print("plot: matplotlib is not installed (pip install 'gadgetloader[plot]')")
         return
     res = [r for r in report["results"] if "GBps" in r]
-    panels = sorted({(r["kind"], r["ids"], r["row_bytes"]) for r in res})
+    for r in res:
+        r.setdefault("ids_requested", r["ids"])
+    columns = sorted({(r["ids_requested"], r["row_bytes"]) for r in res})
+    kinds = ["gather", "scatter"]
     fig, axes = plt.subplots(
-        1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4), squeeze=False
+        2, max(1, len(columns)), figsize=(6 * max(1, len(columns)), 8), squeeze=False
     )
-    for ax, (kind, n, rb) in zip(axes[0], panels, strict=False):
-        sel = [r for r in res if (r["kind"], r["ids"], r["row_bytes"]) == (kind, n, rb)]
+    for (row, kind), (col, (n, rb)) in itertools.product(enumerate(kinds), enumerate(columns)):
+        ax = axes[row][col]
+        sel = [r for r in res if (r["kind"], r["ids_requested"], r["row_bytes"]) == (kind, n, rb)]
         for label in sorted({(r["method"], r["pages"]) for r in sel}):
             pts = sorted(
                 (r["table_GB"], r["GBps"]) for r in sel if (r["method"], r["pages"]) == label
