@@ -18,13 +18,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from .._errors import GadgetKeyError, GadgetValueError
+from .._dtypes import as_torch_dtype
+from .._errors import GadgetFileNotFoundError, GadgetKeyError, GadgetTypeError, GadgetValueError
 
 __all__ = [
     "CHUNK_BYTES",
     "ChunkAligner",
+    "as_bits",
     "check_compression",
+    "check_sink_target",
+    "table_dtype",
     "default_chunk_rows",
     "for_each_chunk",
     "fsync_tree",
@@ -33,6 +38,49 @@ __all__ = [
 
 #: default bytes per chunk for new HDF5 / zarr files (HDF5's own advice: 10 KiB - 1 MiB)
 CHUNK_BYTES = 1 << 20
+
+
+def table_dtype(npd: np.dtype, marked_bfloat16: bool, where: str) -> torch.dtype:
+    """The table dtype of a stored array (``marked_bfloat16``: its dtype attribute says
+    the uint16 values are bfloat16 bits).
+
+    Raises
+    ------
+    GadgetTypeError
+        Strings, objects, structured or other dtypes a table cannot hold.
+    """
+    if marked_bfloat16:
+        if npd.itemsize != 2 or npd.kind not in "iu":
+            raise GadgetTypeError(
+                f"{where}: marked bfloat16 but stored as {npd}; expected uint16 bits"
+            )
+        return torch.bfloat16
+    if npd.hasobject or npd.kind in "OSUVMmT" or npd.fields is not None:
+        raise GadgetTypeError(
+            f"{where}: dtype {npd} (strings, objects, structured or variable-length types) "
+            "cannot be a table; expected a numeric or bool dtype"
+        )
+    try:
+        return as_torch_dtype(npd)
+    except GadgetTypeError as exc:
+        raise GadgetTypeError(f"{where}: {exc}") from exc
+
+
+def as_bits(arr: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """bfloat16 rows arrive as int16 or uint16 bits; files hold uint16 (reinterpret, never convert)."""
+    if dtype == torch.bfloat16 and arr.dtype != np.uint16:
+        return arr.view(np.uint16)
+    return arr
+
+
+def check_sink_target(path: Path, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Check that a file can be written at ``path`` for a table of ``shape``; the shape as ints."""
+    if not path.parent.exists():
+        raise GadgetFileNotFoundError(f"directory {path.parent} does not exist (saving {path})")
+    shape = tuple(int(s) for s in shape)
+    if len(shape) == 0:
+        raise GadgetValueError(f"{path}: a table needs at least one axis; got shape ()")
+    return shape
 
 
 def default_chunk_rows(row_nbytes: int, num_rows: int, chunk_rows: int | None = None) -> int:

@@ -29,19 +29,26 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .._dtypes import as_torch_dtype, dtype_name, numpy_dtype
+from .._dtypes import dtype_name, numpy_dtype
 from .._errors import (
     GadgetFileError,
     GadgetFileNotFoundError,
     GadgetKeyError,
-    GadgetTypeError,
     GadgetValueError,
     MissingDependencyError,
     ReadOnlyError,
 )
 from ._atomic import remove_path, replace_atomically, temp_path_beside
 from ._base import ArraySink, ArraySource
-from ._chunks import ChunkAligner, check_compression, default_chunk_rows, for_each_chunk
+from ._chunks import (
+    ChunkAligner,
+    as_bits,
+    check_compression,
+    check_sink_target,
+    default_chunk_rows,
+    for_each_chunk,
+    table_dtype,
+)
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -109,32 +116,6 @@ def _datasets_in(f: Any, h5py: ModuleType) -> list[str]:
 
     f.visititems(visit)
     return names
-
-
-def _table_dtype(ds: Any, where: str) -> torch.dtype:
-    npd = ds.dtype
-    if ds.attrs.get(DTYPE_ATTR) == "bfloat16":
-        if npd.itemsize != 2 or npd.kind not in "iu":
-            raise GadgetTypeError(
-                f"{where}: marked bfloat16 but stored as {npd}; expected uint16 bits"
-            )
-        return torch.bfloat16
-    if npd.hasobject or npd.kind in "OSUVMm" or npd.fields is not None:
-        raise GadgetTypeError(
-            f"{where}: dtype {npd} (strings, objects, compound or variable-length types) cannot "
-            "be a table; expected a numeric or bool dtype"
-        )
-    try:
-        return as_torch_dtype(npd)
-    except GadgetTypeError as exc:
-        raise GadgetTypeError(f"{where}: {exc}") from exc
-
-
-def _as_bits(arr: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    """bfloat16 rows arrive as int16 or uint16 bits; the file holds uint16 (reinterpret, never convert)."""
-    if dtype == torch.bfloat16 and arr.dtype != np.uint16:
-        return arr.view(np.uint16)
-    return arr
 
 
 class Hdf5Source(ArraySource):
@@ -214,7 +195,7 @@ class Hdf5Source(ArraySource):
                 )
             self.dataset = obj.name.lstrip("/")
             where = f"{self.path}[{self.dataset!r}]"
-            self.dtype = _table_dtype(obj, where)
+            self.dtype = table_dtype(obj.dtype, obj.attrs.get(DTYPE_ATTR) == "bfloat16", where)
             if obj.shape is None or len(obj.shape) == 0:
                 raise GadgetValueError(f"{where} holds a scalar; a table needs at least one axis")
             self.shape = tuple(int(s) for s in obj.shape)
@@ -330,7 +311,7 @@ class Hdf5Source(ArraySource):
 
     # ---- rows -----------------------------------------------------------------------------
     def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
-        out = _as_bits(out, self.dtype)
+        out = as_bits(out, self.dtype)
         with self._guard():
             ds = self._dataset()
             if stop <= start:
@@ -406,7 +387,7 @@ class Hdf5Source(ArraySource):
         end). With a read-only handle on raw chunks this is one ``preadv`` per chunk,
         spread over a thread pool.
         """
-        out = _as_bits(out, self.dtype)
+        out = as_bits(out, self.dtype)
         c = self.chunk_rows
         slots = list(range(len(chunks))) if slots is None else slots
         with self._guard():
@@ -497,7 +478,7 @@ class Hdf5Source(ArraySource):
         return True
 
     def write_rows(self, start: int, rows: np.ndarray) -> None:
-        rows = _as_bits(rows, self.dtype)
+        rows = as_bits(rows, self.dtype)
         if self._mode != "r+":
             raise ReadOnlyError(
                 f"{self.path} was opened read-only; open it with mode='r+' to write"
@@ -552,13 +533,7 @@ class Hdf5Sink(ArraySink):
     ) -> None:
         h5py = import_h5py()
         self.path = Path(path)
-        if not self.path.parent.exists():
-            raise GadgetFileNotFoundError(
-                f"directory {self.path.parent} does not exist (saving {self.path})"
-            )
-        self.shape = tuple(int(s) for s in shape)
-        if len(self.shape) == 0:
-            raise GadgetValueError(f"{self.path}: a table needs at least one axis; got shape ()")
+        self.shape = check_sink_target(self.path, shape)
         self.dtype = dtype
         self.dataset = (dataset or DEFAULT_DATASET).strip("/")
         comp = check_compression(compression, _COMPRESSIONS, "HDF5", self.path)
@@ -598,7 +573,7 @@ class Hdf5Sink(ArraySink):
         )
 
     def write(self, start: int, rows: np.ndarray) -> None:
-        self._aligner.write(start, _as_bits(rows, self.dtype))
+        self._aligner.write(start, as_bits(rows, self.dtype))
 
     def commit(self) -> None:
         self._aligner.flush()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from pathlib import Path
@@ -98,9 +99,9 @@ class NpySource(ArraySource):
                 f"({need} bytes with the header) but the file has {size} bytes"
             )
         self.chunk_rows = max(1, NPY_BLOCK_BYTES // max(1, self.row_nbytes))
-        self._f: BinaryIO | None = None
+        self._f: io.FileIO | None = None
 
-    def _file(self) -> BinaryIO:
+    def _file(self) -> io.FileIO:
         if self._f is None or self._f.closed:
             self._f = open(self.path, "r+b" if self._mode == "r+" else "rb", buffering=0)  # noqa: SIM115
         return self._f
@@ -112,7 +113,7 @@ class NpySource(ArraySource):
             return
         f = self._file()
         f.seek(self._offset + start * self.row_nbytes)
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        view = out.reshape(-1).view(np.uint8).data
         done = 0
         while done < len(view):
             n = f.readinto(view[done:])
@@ -135,7 +136,7 @@ class NpySource(ArraySource):
             raise GadgetValueError(f"{self.path}: cannot write into a Fortran-ordered .npy")
         f = self._file()
         f.seek(self._offset + start * self.row_nbytes)
-        f.write(memoryview(np.ascontiguousarray(rows).reshape(-1).view(np.uint8)))
+        f.write(np.ascontiguousarray(rows).reshape(-1).view(np.uint8).data)
 
     def close(self) -> None:
         if self._f is not None:
@@ -184,7 +185,7 @@ class NpySink(ArraySink):
     def write(self, start: int, rows: np.ndarray) -> None:
         assert self._f is not None
         self._f.seek(self._offset + start * self._row_nbytes)
-        self._f.write(memoryview(np.ascontiguousarray(rows).reshape(-1).view(np.uint8)))
+        self._f.write(np.ascontiguousarray(rows).reshape(-1).view(np.uint8).data)
 
     def commit(self) -> None:
         assert self._f is not None

@@ -24,12 +24,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .._dtypes import as_torch_dtype, dtype_name, numpy_dtype
+from .._dtypes import dtype_name, numpy_dtype
 from .._errors import (
     GadgetFileError,
     GadgetFileNotFoundError,
     GadgetKeyError,
-    GadgetTypeError,
     GadgetValueError,
     MissingDependencyError,
     ReadOnlyError,
@@ -38,10 +37,13 @@ from ._atomic import remove_path, replace_atomically, temp_path_beside
 from ._base import ArraySink, ArraySource
 from ._chunks import (
     ChunkAligner,
+    as_bits,
     check_compression,
+    check_sink_target,
     default_chunk_rows,
     for_each_chunk,
     fsync_tree,
+    table_dtype,
 )
 
 if TYPE_CHECKING:
@@ -90,32 +92,6 @@ def _numcodecs_decoder(codec: Any) -> Any | None:
     if name == "blosc":
         return numcodecs.Blosc()
     return None
-
-
-def _table_dtype(arr: Any, where: str) -> torch.dtype:
-    npd = np.dtype(arr.dtype) if not isinstance(arr.dtype, np.dtype) else arr.dtype
-    if arr.attrs.get(DTYPE_ATTR) == "bfloat16":
-        if npd.itemsize != 2 or npd.kind not in "iu":
-            raise GadgetTypeError(
-                f"{where}: marked bfloat16 but stored as {npd}; expected uint16 bits"
-            )
-        return torch.bfloat16
-    if npd.hasobject or npd.kind in "OSUVMmT" or npd.fields is not None:
-        raise GadgetTypeError(
-            f"{where}: dtype {npd} (strings, objects or structured types) cannot be a table; "
-            "expected a numeric or bool dtype"
-        )
-    try:
-        return as_torch_dtype(npd)
-    except GadgetTypeError as exc:
-        raise GadgetTypeError(f"{where}: {exc}") from exc
-
-
-def _as_bits(arr: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    """bfloat16 rows arrive as int16 or uint16 bits; the file holds uint16 (reinterpret, never convert)."""
-    if dtype == torch.bfloat16 and arr.dtype != np.uint16:
-        return arr.view(np.uint16)
-    return arr
 
 
 class ZarrSource(ArraySource):
@@ -195,7 +171,9 @@ class ZarrSource(ArraySource):
             arr = node
         self.dataset = dataset
         where = f"{self.path}[{dataset!r}]" if dataset else self.path
-        self.dtype = _table_dtype(arr, where)
+        self.dtype = table_dtype(
+            np.dtype(arr.dtype), arr.attrs.get(DTYPE_ATTR) == "bfloat16", where
+        )
         if len(arr.shape) == 0:
             raise GadgetValueError(f"{where} holds a scalar; a table needs at least one axis")
         self.shape = tuple(int(s) for s in arr.shape)
@@ -254,7 +232,7 @@ class ZarrSource(ArraySource):
 
     # ---- rows -----------------------------------------------------------------------------
     def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
-        out = _as_bits(out, self.dtype)
+        out = as_bits(out, self.dtype)
         if stop <= start:
             return
         if self._decoders is None:
@@ -276,7 +254,7 @@ class ZarrSource(ArraySource):
 
         The rows of chunk ``k`` are ``k * chunk_rows`` up to the next chunk (or the end).
         """
-        out = _as_bits(out, self.dtype)
+        out = as_bits(out, self.dtype)
         c = self.chunk_rows
         slots = list(range(len(chunks))) if slots is None else slots
         if self._decoders is None:
@@ -351,7 +329,7 @@ class ZarrSource(ArraySource):
         flat[...] = np.frombuffer(data, dtype=np.uint8)
 
     def write_rows(self, start: int, rows: np.ndarray) -> None:
-        rows = _as_bits(rows, self.dtype)
+        rows = as_bits(rows, self.dtype)
         if self._mode != "r+":
             raise ReadOnlyError(
                 f"{self.path} was opened read-only; open it with mode='r+' to write"
@@ -406,13 +384,7 @@ class ZarrSink(ArraySink):
         from zarr.storage import LocalStore
 
         self.path = Path(path)
-        if not self.path.parent.exists():
-            raise GadgetFileNotFoundError(
-                f"directory {self.path.parent} does not exist (saving {self.path})"
-            )
-        self.shape = tuple(int(s) for s in shape)
-        if len(self.shape) == 0:
-            raise GadgetValueError(f"{self.path}: a table needs at least one axis; got shape ()")
+        self.shape = check_sink_target(self.path, shape)
         self.dtype = dtype
         comp = check_compression(compression, _COMPRESSIONS, "zarr", self.path)
         npd = numpy_dtype(dtype)
@@ -460,7 +432,7 @@ class ZarrSink(ArraySink):
         self._arr[start : start + rows.shape[0]] = rows
 
     def write(self, start: int, rows: np.ndarray) -> None:
-        self._aligner.write(start, _as_bits(rows, self.dtype))
+        self._aligner.write(start, as_bits(rows, self.dtype))
 
     def commit(self) -> None:
         self._aligner.flush()
