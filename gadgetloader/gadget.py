@@ -25,7 +25,7 @@ def as_tensor_data(data: Any, what: str = "data") -> torch.Tensor:
     """A torch tensor over ``data`` (tensor, NumPy or CuPy array) without copying where possible."""
     if isinstance(data, torch.Tensor):
         return data
-    if isinstance(data, np.generic):
+    if isinstance(data, (np.generic, list)):
         data = np.asarray(data)
     if isinstance(data, np.ndarray):
         if data.dtype.hasobject or data.dtype.kind in "OSUVMmc":
@@ -55,7 +55,7 @@ def _cuda_unusable_here() -> bool:
 
 def _is_shape(obj: Any) -> bool:
     return (
-        isinstance(obj, (tuple, list))
+        isinstance(obj, tuple)  # a list is data: DataGadget([[1, 2], [3, 4]])
         and len(obj) > 0
         and all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in obj)
     )
@@ -66,10 +66,10 @@ class DataGadget:
 
     Parameters
     ----------
-    fileName : str, path, numpy.ndarray, torch.Tensor, CuPy array or tuple of int, optional
+    fileName : str, path, numpy.ndarray, torch.Tensor, CuPy array, list or tuple of int, optional
         Where the table comes from: a file (.npy; HDF5 and zarr with the ``hdf5`` /
-        ``zarr`` extras), an array or tensor (copied in), or a shape for a new
-        zero-filled table (then give ``dtype``).
+        ``zarr`` extras), an array, tensor or (nested) list (copied in), or a *tuple*
+        shape for a new zero-filled table (then give ``dtype``).
     CPUPinn : bool, default False
         SpeedTorch's switch: True keeps the table in pinned host RAM that the GPU
         reads in place, False in GPU memory. ``placement`` overrides it.

@@ -232,3 +232,13 @@ def test_speedtorch_construction_sequence(tmp_path: object) -> None:
     g.close()
     with pytest.raises(gl.GadgetClosedError):
         g.gadgetInit()
+
+
+def test_lists_are_data_and_tuples_are_shapes() -> None:
+    g = gl.DataGadget([[1.5, 2.0], [3.0, 4.0]], placement="cpu", device="cpu")
+    assert g.shape == (2, 2) and g.dtype == torch.float64
+    assert g.getData([1]).tolist() == [[3.0, 4.0]]
+    h = gl.DataGadget((2, 2), placement="cpu", device="cpu")
+    assert h.shape == (2, 2) and h.dtype == torch.float32 and not h.getNumpyVersion().any()
+    with pytest.raises(gl.GadgetTypeError):
+        gl.DataGadget([["a", "b"]], placement="cpu")
