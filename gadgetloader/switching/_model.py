@@ -23,7 +23,7 @@ from .._dtypes import as_torch_dtype, dtype_name
 from .._errors import GadgetTypeError, GadgetValueError
 from .._ids import as_ids
 from ..gadget import DataGadget
-from ._rows import DUPLICATE_MODES, RowPlan, plan_rows, split_local
+from ._rows import DUPLICATE_MODES, PlanCache, RowPlan, plan_rows, split_local
 
 __all__ = ["ModelSwitch", "resolve_parameter", "switch_for"]
 
@@ -128,7 +128,7 @@ class ModelSwitch:
             placement=placement,
             device=self.param.device,
         )
-        self._cache: tuple[Any, Any, RowPlan] | None = None
+        self._cache = PlanCache()
         self._capacity = 0
         self._loaded: RowPlan | None = None
         _REGISTRY[self.param] = weakref.ref(self)  # a strong value would keep the key alive
@@ -200,7 +200,7 @@ class ModelSwitch:
         (``duplicates='merge'``) for exact results.
         """
         self._transformed = True
-        self._cache = None  # the layout may have changed
+        self._cache.clear()  # the layout may have changed
         n_pos = int(batchSize) * int(posPerBatch)
         pos = np.arange(n_pos, dtype=np.int64).reshape(int(batchSize), int(posPerBatch))
         if negPerBatch is None:
@@ -212,15 +212,15 @@ class ModelSwitch:
         return pos, neg
 
     def plan(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> RowPlan:
-        """The row plan for these ids (cached for the same id objects)."""
-        c = self._cache
-        if c is not None and c[0] is retrievedPosIndexes and c[1] is retrievedNegIndexes:
-            return c[2]
+        """The row plan for these ids (reused while the same id objects are unchanged)."""
+        cached = self._cache.get(retrievedPosIndexes, retrievedNegIndexes)
+        if cached is not None:
+            return cached
         parts = _as_id_parts(
             retrievedPosIndexes, retrievedNegIndexes, self.total_classes, self.device
         )
         plan = plan_rows(parts, self.duplicates, self.total_classes)
-        self._cache = (retrievedPosIndexes, retrievedNegIndexes, plan)
+        self._cache.put(retrievedPosIndexes, retrievedNegIndexes, plan)
         return plan
 
     @overload

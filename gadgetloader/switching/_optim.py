@@ -26,6 +26,7 @@ import torch
 
 from .._errors import GadgetKeyError, GadgetTypeError, GadgetValueError
 from ..gadget import DataGadget
+from ._rows import PlanCache
 
 if TYPE_CHECKING:
     from ._rows import RowPlan
@@ -393,7 +394,7 @@ class OptimizerSwitch:
         self._dtype = as_torch_dtype(dtype) if dtype is not None else None
         self._placement = placement
         self.pager: StatePager | None = None
-        self._own_cache: tuple[Any, Any, RowPlan] | None = None
+        self._own_cache = PlanCache()
 
     def __repr__(self) -> str:
         keys = list(self.pager.row_keys) if self.pager is not None else "(call optInit)"
@@ -429,15 +430,15 @@ class OptimizerSwitch:
         sw = switch_for(self.param)
         if sw is not None:
             return sw.plan(pos, neg)
-        c = self._own_cache
-        if c is not None and c[0] is pos and c[1] is neg:
-            return c[2]
+        cached = self._own_cache.get(pos, neg)
+        if cached is not None:
+            return cached
         plan = plan_rows(
             _as_id_parts(pos, neg, self.total_classes, self.param.device),
             "merge",
             self.total_classes,
         )
-        self._own_cache = (pos, neg, plan)
+        self._own_cache.put(pos, neg, plan)
         return plan
 
     def beforeForwardPass(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:

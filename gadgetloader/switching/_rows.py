@@ -14,13 +14,14 @@ its own, and the last one written back wins. That mode is kept for old loops.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from .._ids import check_range
 
-__all__ = ["DUPLICATE_MODES", "RowPlan", "plan_rows", "split_local"]
+__all__ = ["DUPLICATE_MODES", "PlanCache", "RowPlan", "plan_rows", "split_local"]
 
 #: ``merge``: one local row per distinct id (exact); ``separate``: one row per position
 DUPLICATE_MODES: tuple[str, ...] = ("merge", "separate")
@@ -95,3 +96,64 @@ def split_local(plan: RowPlan) -> tuple[torch.Tensor, ...]:
         out.append(plan.local[start : start + n].view(shape))
         start += n
     return tuple(out)
+
+
+def _fingerprint(x: Any) -> Any:
+    """What must be unchanged for a cached plan of ``x`` to stay valid (None: never cache).
+
+    A torch tensor is identified by itself and its in-place version counter, a NumPy
+    array by itself and a copy of its values (an in-place update of a reused id buffer
+    must not reuse the old plan).
+    """
+    if x is None:
+        return ()
+    if isinstance(x, torch.Tensor):
+        return (x._version, x.data_ptr(), tuple(x.shape))
+    if isinstance(x, np.ndarray):
+        return x.copy()
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and a.shape == b.shape
+            and bool(np.array_equal(a, b))
+        )
+    return bool(a == b)
+
+
+class PlanCache:
+    """The plan of the last (pos, neg) id objects, reused while they are unchanged.
+
+    A step asks for the same ids up to four times (model and optimizer switchers,
+    before and after the step); the cache avoids recomputing the plan (a sort and a
+    synchronisation) each time, and is invalidated when the id objects change or are
+    modified in place.
+    """
+
+    def __init__(self) -> None:
+        self._entry: tuple[Any, Any, Any, Any, RowPlan] | None = None
+
+    def get(self, pos: Any, neg: Any) -> RowPlan | None:
+        e = self._entry
+        if e is None or e[0] is not pos or e[1] is not neg:
+            return None
+        fp_pos, fp_neg = _fingerprint(pos), _fingerprint(neg)
+        if fp_pos is None or fp_neg is None:
+            return None
+        if not (_same(e[2], fp_pos) and _same(e[3], fp_neg)):
+            return None
+        return e[4]
+
+    def put(self, pos: Any, neg: Any, plan: RowPlan) -> None:
+        fp_pos, fp_neg = _fingerprint(pos), _fingerprint(neg)
+        if fp_pos is None or fp_neg is None:
+            self._entry = None
+            return
+        self._entry = (pos, neg, fp_pos, fp_neg, plan)
+
+    def clear(self) -> None:
+        self._entry = None
