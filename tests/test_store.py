@@ -242,3 +242,25 @@ def test_lists_are_data_and_tuples_are_shapes() -> None:
     assert h.shape == (2, 2) and h.dtype == torch.float32 and not h.getNumpyVersion().any()
     with pytest.raises(gl.GadgetTypeError):
         gl.DataGadget([["a", "b"]], placement="cpu")
+
+
+def test_odd_inputs_are_handled(placement: str, device: torch.device, tmp_path: object) -> None:
+    src = torch.nn.Embedding(6, 3).weight  # requires grad
+    g = gl.DataGadget(src, placement=placement, device=device)
+    assert g.getData([0]).grad_fn is None and g.getNumpyVersion().shape == (6, 3)
+    g.insertData(torch.ones(1, 3, requires_grad=True, device=device) * 2, [1])
+    g.saveCupy(str(tmp_path / "g.npy"))  # type: ignore[operator]
+    assert (np.load(tmp_path / "g.npy")[1] == 2).all()  # type: ignore[operator]
+    assert g.getData(np.array(4)).shape == (3,)  # 0-d ids give one row without an axis
+    assert g.getData(np.array([4, 5], dtype=">i4")).shape == (2, 3)  # big-endian ids
+    ro = np.array([2, 3])
+    ro.setflags(write=False)
+    assert g.getData(ro).shape == (2, 3)  # read-only ids (np.load mmap)
+    g.insertData(np.full((1, 3), 7, dtype=">f4"), [0])  # big-endian data
+    assert g.getData([0]).cpu().eq(7).all()
+    with pytest.raises(gl.GadgetTypeError, match="ragged"):
+        g.getData([[1], [2, 3]])
+    with pytest.raises(gl.GadgetTypeError, match="dense"):
+        g.insertData(torch.ones(1, 3).to_sparse(), [0])
+    with pytest.raises(gl.GadgetTypeError, match="meta"):
+        gl.DataGadget(torch.empty(2, 2, device="meta"), placement="cpu")
