@@ -35,7 +35,11 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
             indexes = indexes.astype(np.int64)
         elif indexes.dtype in (np.uint16, np.uint32):
             indexes = indexes.astype(np.int64)
-        return torch.from_numpy(np.ascontiguousarray(indexes))
+        if not indexes.dtype.isnative:
+            indexes = indexes.astype(indexes.dtype.newbyteorder("="))
+        if not indexes.flags.writeable:  # torch cannot view read-only memory (np.load mmap ids)
+            indexes = indexes.copy()
+        return torch.from_numpy(np.require(indexes, requirements="C"))  # keeps 0-d arrays 0-d
     if hasattr(indexes, "__cuda_array_interface__") or type(indexes).__module__.startswith("cupy"):
         # CuPy (or any CUDA array): no copy through DLPack
         try:
@@ -49,7 +53,12 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
     if isinstance(indexes, (list, tuple)):
         if len(indexes) == 0:
             return torch.empty(0, dtype=torch.int64)
-        arr = np.asarray(indexes)
+        try:
+            arr = np.asarray(indexes)
+        except ValueError as exc:  # ragged nesting
+            raise GadgetTypeError(
+                f"ids must form a rectangular array of integers; got a ragged {type(indexes).__name__}"
+            ) from exc
         if arr.dtype.kind not in "iu":
             raise GadgetTypeError(
                 f"ids must be integers; got a {type(indexes).__name__} holding {arr.dtype} values"

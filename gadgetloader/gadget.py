@@ -24,10 +24,21 @@ _Shape = tuple[int, ...]
 def as_tensor_data(data: Any, what: str = "data") -> torch.Tensor:
     """A torch tensor over ``data`` (tensor, NumPy or CuPy array) without copying where possible."""
     if isinstance(data, torch.Tensor):
-        return data
+        if data.layout != torch.strided:
+            raise GadgetTypeError(f"{what} must be a dense tensor; got layout {data.layout}")
+        if data.device.type not in ("cpu", "cuda"):
+            raise GadgetTypeError(f"{what} must be on the CPU or a CUDA device; got {data.device}")
+        return data.detach()  # rows are copied in; the table never joins an autograd graph
     if isinstance(data, (np.generic, list)):
-        data = np.asarray(data)
+        try:
+            data = np.asarray(data)
+        except ValueError as exc:
+            raise GadgetTypeError(f"{what} must be rectangular; got a ragged list") from exc
     if isinstance(data, np.ndarray):
+        if not data.dtype.isnative:
+            data = data.astype(data.dtype.newbyteorder("="))
+        if not data.flags.writeable:
+            data = data.copy()
         if data.dtype.hasobject or data.dtype.kind in "OSUVMmc":
             raise GadgetTypeError(
                 f"{what} has dtype {data.dtype}, which is not supported for a table; expected a numeric or bool dtype"
@@ -43,6 +54,21 @@ def as_tensor_data(data: Any, what: str = "data") -> torch.Tensor:
     raise GadgetTypeError(
         f"{what} must be a torch tensor or a NumPy/CuPy array; got {type(data).__name__}"
     )
+
+
+def _check_out(out: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """``getData(out=...)`` must be a contiguous tensor of the result's shape, dtype and device."""
+    if not isinstance(out, torch.Tensor):
+        raise GadgetTypeError(f"out must be a torch tensor; got {type(out).__name__}")
+    if out.dtype != dtype or out.device != device:
+        raise GadgetTypeError(
+            f"out must be a {dtype_name(dtype)} tensor on {device}; got {dtype_name(out.dtype)} on {out.device}"
+        )
+    if tuple(out.shape) != tuple(shape) or not out.is_contiguous():
+        raise GadgetValueError(
+            f"out must be a contiguous tensor of shape {tuple(shape)}; got shape {tuple(out.shape)}"
+            f"{'' if out.is_contiguous() else ' (not contiguous)'}"
+        )
 
 
 def _cuda_unusable_here() -> bool:
@@ -125,6 +151,8 @@ class DataGadget:
         self._device = resolve_device(device)
         self._strategy = strategy
         self._source_path: str | None = None
+        #: options of a file-backed store (cache_bytes, writable, ...), kept for load()
+        self._file_options: dict[str, Any] = dict(options)
         cuda_dev = self._device if self._device.type == "cuda" else None
         if fileName is not None and shape is not None:
             raise GadgetValueError("give either a source (fileName) or shape=, not both")
@@ -294,6 +322,8 @@ class DataGadget:
                 )
             dev = torch.device("cpu")
         ids = as_ids(indexes, len(self), self._store.ids_device(dev), check=check_ids)
+        if out is not None:
+            _check_out(out, (*ids.shape, *self.row_shape), self.dtype, dev)
         return self._store.gather(ids, dev, out=out, strategy=self._strategy)
 
     def insertData(self, dataObject: Any, indexes: Any, *, check_ids: bool = True) -> None:
@@ -447,6 +477,15 @@ class DataGadget:
             kwargs["dataset"] = dataset
         sink = _io.open_sink(path, self.shape, self.dtype, format=format, **kwargs)
         _io.save_from(self._store, sink, progress=progress, desc=f"save {os.fspath(path)}")
+        backing = getattr(self._store, "path", None) if self.placement == "file" else None
+        if backing is not None and os.path.realpath(backing) == os.path.realpath(path):
+            # the file this table reads from was just replaced: read the new one from now on
+            self.load(
+                path,
+                dataset=dataset or getattr(self._store, "dataset", None),
+                format=format,
+                progress=False,
+            )
 
     def saveCupy(self, saveFileName: str | os.PathLike[str]) -> None:
         """Save as .npy (SpeedTorch's name); atomic and streamed like :meth:`save`."""
@@ -476,7 +515,7 @@ class DataGadget:
             format,
             progress,
             None,
-            {},
+            self._file_options if self.placement == "file" else {},
         )
         old, self._store = self._store, new
         old.close()

@@ -175,7 +175,10 @@ class GadgetDataset(Dataset[Any]):
                 raise GadgetValueError(
                     f"column {i} is a 0-d value; a column needs one row per sample"
                 )
-            where = placement or _auto_placement(col, self._device)
+            # 'file' applies to path columns; arrays and tensors go to memory
+            where = (
+                placement if placement not in (None, "file") else _auto_placement(col, self._device)
+            )
             g = DataGadget(col, placement=where, device=self._device)
         else:
             raise GadgetTypeError(

@@ -229,6 +229,12 @@ class FileStore(Store):
         return self._src
 
     def __getstate__(self) -> dict[str, Any]:
+        if self._src_mode == "r+" and self._src is not None and self._pid == os.getpid():
+            # a handle open for writing locks HDF5 files against the readers being started;
+            # this process reopens the file for writing when it writes again
+            self._src.close()
+            self._src = None
+            self._src_mode = "r"
         state = self.__dict__.copy()
         for key in ("_holder", "_lru", "_free", "_slab", "_stages", "_events", "stats", "_mm"):
             state.pop(key, None)
