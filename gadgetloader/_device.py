@@ -50,7 +50,11 @@ def resolve_device(device: Any) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda":
         if not cuda_available():
-            warn_fallback("device", f"device {str(dev)!r} requested but CUDA is not available")
+            warn_fallback(
+                "cuda",
+                f"device {str(dev)!r} requested but CUDA is not available: tables live in "
+                "ordinary host RAM and every operation runs on the CPU with the same results",
+            )
             return torch.device("cpu")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
@@ -88,7 +92,7 @@ def resolve_placement(placement: str) -> str:
     placement = placement.lower()
     if placement in ("cuda", "pinned") and not cuda_available():
         warn_fallback(
-            "placement",
+            "cuda",  # one warning per process for every CUDA fallback
             f"placement {placement!r} needs CUDA, which is not available: tables live in "
             "ordinary host RAM ('cpu') and every operation runs on the CPU with the same results",
         )

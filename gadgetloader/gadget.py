@@ -168,6 +168,11 @@ class DataGadget:
             self._store: Store = empty_store(
                 requested, shp, as_torch_dtype(dtype or "float32"), cuda_dev
             )
+        elif isinstance(fileName, tuple):
+            raise GadgetTypeError(
+                f"a shape must be a tuple of non-negative ints; got {fileName!r} "
+                "(pass data as an array, tensor or list)"
+            )
         elif isinstance(fileName, (str, os.PathLike)):
             self._source_path = os.fspath(fileName)
             self._store = self._open_file(

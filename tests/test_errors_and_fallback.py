@@ -171,3 +171,18 @@ def test_cli_bench_and_info_run_and_check(
     assert any(r["method"].startswith("gadgetloader") for r in methods)
     assert main(["info", "--no-measure"]) == 0
     assert "torch" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the fallback only happens without CUDA")
+def test_one_warning_for_device_and_placement_fallback() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        g = gl.DataGadget((3, 2), device="cuda", placement="pinned")
+        gl.DataGadget((3, 2))
+    assert g.placement == "cpu" and g.device.type == "cpu"
+    assert len([w for w in caught if issubclass(w.category, gl.FallbackWarning)]) == 1
+
+
+def test_float_shape_is_a_clear_error() -> None:
+    with pytest.raises(gl.GadgetTypeError, match="tuple of non-negative ints"):
+        gl.DataGadget((3.0, 2), placement="cpu")
