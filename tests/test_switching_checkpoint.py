@@ -171,3 +171,19 @@ class _Wrap(nn.Module):
         super().__init__()
         self.emb = inner.emb
         self.lin = nn.Linear(D, 1)
+
+
+def test_bfloat16_checkpoint_needs_hdf5_or_zarr(tmp_path) -> None:
+    import os
+
+    m = torch.nn.ModuleDict(
+        {"e": gl.OffloadedEmbedding(10, 4, placement="cpu", dtype=torch.bfloat16)}
+    )
+    with pytest.raises(gl.GadgetTypeError, match="format='hdf5'"):
+        gl.save_checkpoint(tmp_path / "c", {"model": m})
+    assert not os.path.exists(tmp_path / "c")  # refused before writing anything
+    gl.save_checkpoint(tmp_path / "z", {"model": m}, format="zarr")
+    before = m["e"].table.getNumpyVersion()
+    m["e"].table.zero_()
+    gl.load_checkpoint(tmp_path / "z", {"model": m})
+    assert (m["e"].table.getNumpyVersion() == before).all()

@@ -90,7 +90,9 @@ def save_checkpoint(
         module, or ``{"u": u_switch, "u_opt": u_opt_switch, "opt": optimizer}`` for
         SpeedTorch-style switchers.
     format : {'npy', 'hdf5', 'zarr'}, default 'npy'
-        File format of the tables (HDF5 / zarr need their extras).
+        File format of the tables (HDF5 / zarr need their extras). bfloat16 tables
+        need 'hdf5' or 'zarr' (NumPy has no bfloat16); 'npy' refuses them before
+        writing anything.
 
     Notes
     -----
@@ -98,11 +100,23 @@ def save_checkpoint(
     RAM); ``meta.pt`` is written last and atomically.
     """
     ext = _extension(format)
+    parts = {name: _parts(obj) for name, obj in objects.items()}
+    if format == "npy":
+        bf16 = [
+            f"{name}.{t}"
+            for name, (_, tables, _) in parts.items()
+            for t, table in tables.items()
+            if table.dtype == torch.bfloat16
+        ]
+        if bf16:
+            raise GadgetTypeError(
+                f"bfloat16 tables {bf16} have no .npy form; save the checkpoint with "
+                "format='hdf5' or format='zarr' (both keep bfloat16 bit-exact)"
+            )
     d = os.fspath(directory)
     os.makedirs(d, exist_ok=True)
     entries: dict[str, Any] = {}
-    for name, obj in objects.items():
-        kind, tables, meta = _parts(obj)
+    for name, (kind, tables, meta) in parts.items():
         files = {}
         for tname, table in tables.items():
             fname = f"{name}.{tname}{ext}"
