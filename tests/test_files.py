@@ -373,7 +373,7 @@ def test_format_by_extension_content_or_argument(tmp_path: Path) -> None:
 
 # ---- the file store's reads: chunks once per call, the cache under its budget -----------------------------------
 def test_each_chunk_read_once_per_call(tmp_path: Path) -> None:
-    path = write(table(), tmp_path / "t.h5")
+    path = write(table(), tmp_path / "t.h5", compression="gzip")  # chunks must be decoded whole
     with gl.DataGadget(path, placement="file", cache_bytes=0) as g:
         store = g.store
         assert isinstance(store, FileStore) and store.block_rows == CHUNK
@@ -552,3 +552,21 @@ def test_many_chunks_are_read_on_the_thread_pool(
         assert torch.equal(g.getData(ids[::-1].copy()).cpu(), src[ids[::-1].copy()])
         assert torch.equal(g.store.read_block(3, 1990), src[3:1990])
     assert calls  # the pool was used
+
+
+def test_sparse_reads_of_raw_hdf5_chunks_read_only_the_rows(tmp_path: Path) -> None:
+    src = table(rows=2000)
+    path = write(src, tmp_path / "raw.h5", chunk_rows=64)  # uncompressed chunks
+    with gl.DataGadget(path, placement="file", cache_bytes=1 << 20, device="cpu") as g:
+        ids = np.random.default_rng(0).integers(0, 2000, 40)  # sparse: about one id per chunk
+        ids[3] = ids[7]  # and a repeat
+        assert np.array_equal(g.getData(ids).numpy(), src.numpy()[ids])
+        assert g.store.stats["misses"] == 0 and g.store.cached_bytes == 0  # no whole chunks read
+        dense = np.arange(100, 400)  # many ids per chunk: whole chunks through the cache
+        assert np.array_equal(g.getData(dense).numpy(), src.numpy()[dense])
+        assert g.store.stats["misses"] > 0
+        g.insertData(torch.zeros(1, WIDTH), [ids[0]])  # a writable handle: chunk reads again
+        assert not g.getData(ids).numpy()[0].any()
+        assert np.array_equal(
+            g.getData(ids).numpy()[1:], src.numpy()[ids][1:] * (ids[1:, None] != ids[0])
+        )

@@ -500,8 +500,9 @@ def test_bench_files_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         assert r["checked"] and r["ms"] > 0 and r["rows_per_s"] > 0
     for r in ours:
         assert r["speedup_vs_baseline"] > 0
-        # chunked formats go through the block cache; .npy is gathered through a memory map
-        assert r["cache_misses"] > 0 if r["format"] != "npy" else r["cache_misses"] == 0
+        # zarr goes through the block cache; .npy (memory map) and uncompressed HDF5
+        # (single-row reads for sparse ids) do not read whole chunks
+        assert r["cache_misses"] > 0 if r["format"] == "zarr" else r["cache_misses"] == 0
     assert report["config"]["cache_bytes"] < report["config"]["random_table_bytes"]
     assert not list(tmp_path.iterdir())  # the temp files are gone
     import json

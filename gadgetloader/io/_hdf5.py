@@ -416,6 +416,50 @@ class Hdf5Source(ArraySource):
 
             for_each_chunk(one, chunks, slots, c * self.row_nbytes)
 
+    def read_rows_at(self, ids: np.ndarray, out: np.ndarray) -> bool:
+        """Read rows ``ids`` (ascending int64) into ``out`` straight from their file offsets.
+
+        Only for uncompressed chunks seen through a read-only handle: one ``preadv`` of
+        exactly one row per id (spread over the thread pool), so a sparse random read
+        costs the rows it returns, not whole chunks. Returns False, having read nothing,
+        where rows are not stored that way (compressed chunks, a handle open for writing,
+        unallocated chunks); callers then read whole chunks.
+        """
+        if self._direct != "raw" or ids.size == 0:
+            return False
+        out = as_bits(out, self.dtype)
+        rb = self.row_nbytes
+        c = self.chunk_rows
+        with self._guard():
+            ds = self._dataset()
+            table = self._chunk_table(ds)
+            if table is None:
+                return False
+            k = ids // c
+            entries = table[k]
+            if (
+                (entries[:, 0] < 0).any()
+                or (entries[:, 2] != 0).any()
+                or (entries[:, 1] != c * rb).any()
+            ):
+                return False
+            pos = entries[:, 0] + (ids - k * c) * rb
+            fd = self._raw_fd()
+            rows = out.reshape(ids.size, -1).view(np.uint8)
+            short: list[int] = []
+
+            def one(i: int, _slot: int) -> None:
+                if os.preadv(fd, [rows[i].data], int(pos[i])) != rb:
+                    short.append(i)
+
+            index = range(ids.size)
+            for_each_chunk(one, index, index, rb)
+            if short:
+                raise GadgetFileError(
+                    f"{self.path}: short read at row {int(ids[short[0]])} (truncated file?)"
+                )
+        return True
+
     # ---- reading chunks by file offset (read-only handles) --------------------------------------------
     def _chunk_table(self, ds: Any) -> np.ndarray | None:
         """Per chunk along the rows: (file offset, stored size, filter mask), or None.
