@@ -27,7 +27,7 @@ from ._errors import (
     ReadOnlyError,
 )
 from .data import GadgetBatch, GadgetDataset, GadgetLoader, GadgetSampler
-from .gadget import DataGadget
+from .gadget import DataGadget, gather_many, scatter_many
 from .switching import (
     SUPPORTED_OPTIMIZERS,
     ModelFactory,
@@ -78,4 +78,6 @@ __all__ = [
     "ReadOnlyError",
     "__version__",
     "cuda_available",
+    "gather_many",
+    "scatter_many",
 ]

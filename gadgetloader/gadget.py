@@ -15,8 +15,10 @@ from ._dtypes import as_torch_dtype, dtype_name, numpy_dtype
 from ._errors import GadgetTypeError, GadgetValueError
 from ._ids import as_ids
 from .stores import Store, empty_store
+from .stores._base import gather_many as gather_stores
+from .stores._base import scatter_many as scatter_stores
 
-__all__ = ["DataGadget", "as_tensor_data"]
+__all__ = ["DataGadget", "as_tensor_data", "gather_many", "scatter_many"]
 
 _Shape = tuple[int, ...]
 
@@ -318,6 +320,13 @@ class DataGadget:
             Non-integer ids.
         """
         self._store.check_open()
+        dev = self._delivery_device(device)
+        ids = as_ids(indexes, len(self), self._store.ids_device(dev), check=check_ids)
+        if out is not None:
+            _check_out(out, (*ids.shape, *self.row_shape), self.dtype, dev)
+        return self._store.gather(ids, dev, out=out, strategy=self._strategy)
+
+    def _delivery_device(self, device: Any) -> torch.device:
         dev = self._device if device is None else resolve_device(device)
         if dev.type == "cuda" and _cuda_unusable_here():
             if device is not None:
@@ -326,10 +335,7 @@ class DataGadget:
                     "forked after CUDA started); gather with device='cpu'"
                 )
             dev = torch.device("cpu")
-        ids = as_ids(indexes, len(self), self._store.ids_device(dev), check=check_ids)
-        if out is not None:
-            _check_out(out, (*ids.shape, *self.row_shape), self.dtype, dev)
-        return self._store.gather(ids, dev, out=out, strategy=self._strategy)
+        return dev
 
     def insertData(self, dataObject: Any, indexes: Any, *, check_ids: bool = True) -> None:
         """Write rows: ``table[indexes[i]] = dataObject[i]``.
@@ -347,6 +353,15 @@ class DataGadget:
             anything is written, so the table is unchanged.
         """
         self._store.check_writable()
+        data, ids = self._insert_args(dataObject, indexes, check_ids)
+        if ids.numel() == 0:
+            return
+        self._store.scatter(ids, data, strategy=self._strategy)
+
+    def _insert_args(
+        self, dataObject: Any, indexes: Any, check_ids: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Checked (data, ids) for a write; raises before anything is written."""
         data = as_tensor_data(dataObject)
         if data.dtype != self.dtype:
             raise GadgetTypeError(
@@ -368,6 +383,7 @@ class DataGadget:
             indexes,
             len(self),
             self._store.ids_device(target if cuda_dev is not None else torch.device("cpu")),
+            check=check_ids,
         )
         expected = (*ids.shape, *self.row_shape)
         if tuple(data.shape) != expected:
@@ -375,9 +391,7 @@ class DataGadget:
                 f"insertData expected data of shape {expected} (ids shape {tuple(ids.shape)} + row "
                 f"shape {self.row_shape}) but got {tuple(data.shape)}"
             )
-        if ids.numel() == 0:
-            return
-        self._store.scatter(ids, data, strategy=self._strategy)
+        return data, ids
 
     def gadgetInit(self) -> DataGadget:
         """SpeedTorch's second construction step, kept so its code runs unchanged.
@@ -557,3 +571,71 @@ class DataGadget:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+def _fused_group(gadgets: Any) -> list[DataGadget]:
+    group = list(gadgets)
+    if not group or not all(isinstance(g, DataGadget) for g in group):
+        raise GadgetTypeError(
+            "expected a non-empty list of DataGadget; got "
+            + (type(gadgets).__name__ if not group else ", ".join(type(g).__name__ for g in group))
+        )
+    first = group[0]
+    for g in group[1:]:
+        if len(g) != len(first):
+            raise GadgetValueError(
+                f"tables moved together must have the same number of rows; got {len(first)} and {len(g)}"
+            )
+    return group
+
+
+def gather_many(
+    gadgets: Any, indexes: Any, *, device: Any = None, check_ids: bool = True
+) -> list[torch.Tensor]:
+    """The rows at ``indexes`` of several tables with the same row count at once -- e.g.
+    an embedding table and its optimizer states.
+
+    The ids are converted and checked once; tables that are all CUDA-addressable
+    (``cuda`` / ``pinned``) with the same row size in bytes are moved by one GPU launch
+    per four tables, others one by one. Returns one tensor per table, as
+    :meth:`DataGadget.getData` would (same rules for ``device`` and ``check_ids``).
+    """
+    group = _fused_group(gadgets)
+    first = group[0]
+    first._store.check_open()
+    dev = first._delivery_device(device)
+    ids = as_ids(indexes, len(first), first._store.ids_device(dev), check=check_ids)
+    stores = [g._store for g in group]
+    if all(s.ids_device(dev) == ids.device for s in stores):
+        return gather_stores(stores, ids, dev, strategy=first._strategy)
+    return [g.getData(ids, device=dev, check_ids=False) for g in group]
+
+
+def scatter_many(gadgets: Any, rows: Any, indexes: Any, *, check_ids: bool = True) -> None:
+    """``gadgets[k][indexes] = rows[k]`` for every table, at once (see :func:`gather_many`).
+
+    Every argument is checked before anything is written; a repeated id takes its
+    last occurrence's row in every table, as :meth:`DataGadget.insertData`.
+    """
+    group = _fused_group(gadgets)
+    rows = list(rows)
+    if len(rows) != len(group):
+        raise GadgetValueError(f"got {len(group)} tables but {len(rows)} row tensors")
+    checked = []
+    ids = indexes
+    for k, (g, r) in enumerate(zip(group, rows, strict=True)):
+        g._store.check_writable()
+        data, ids = g._insert_args(r, ids, check_ids if k == 0 else False)
+        checked.append((data, ids))
+    if checked[0][1].numel() == 0:
+        return
+    if len({(d.device, i.device) for d, i in checked}) == 1:
+        scatter_stores(
+            [g._store for g in group],
+            checked[0][1],
+            [d for d, _ in checked],
+            strategy=group[0]._strategy,
+        )
+    else:
+        for g, (data, i) in zip(group, checked, strict=True):
+            g._store.scatter(i, data, strategy=g._strategy)

@@ -25,7 +25,7 @@ from .._errors import GadgetClosedError, ReadOnlyError
 from .._ids import last_writer
 from ..transfer import _engine
 
-__all__ = ["Store"]
+__all__ = ["Store", "gather_many", "scatter_many"]
 
 
 class Store(abc.ABC):
@@ -143,13 +143,19 @@ class Store(abc.ABC):
             return out
         return rows.to(device)
 
-    def scatter(self, ids: torch.Tensor, rows: torch.Tensor, strategy: str = "auto") -> None:
-        """``table[ids] = rows``; a repeated id takes its *last* occurrence's row."""
+    def scatter(
+        self, ids: torch.Tensor, rows: torch.Tensor, strategy: str = "auto", *, unique: bool = False
+    ) -> None:
+        """``table[ids] = rows``; a repeated id takes its *last* occurrence's row.
+
+        ``unique=True`` promises distinct ids, which lets the GPU path skip the sort
+        that merges repeats (results with repeated ids are then undefined).
+        """
         self.check_writable()
         dv = self.device_view()
         hv = self.host_view()
         if dv is not None and (rows.is_cuda or hv is None):
-            _engine.scatter(dv, ids, rows.to(dv.device), strategy=strategy, host=hv)
+            _engine.scatter(dv, ids, rows.to(dv.device), strategy=strategy, host=hv, unique=unique)
             return
         assert hv is not None
         plan = last_writer(ids.reshape(-1).cpu())
@@ -201,3 +207,63 @@ class Store(abc.ABC):
         dv = self.device_view()
         if dv is not None:
             torch.cuda.synchronize(dv.device)
+
+
+def _fused_views(stores: list[Store], device: torch.device) -> list[torch.Tensor] | None:
+    """The CUDA views of ``stores`` if one fused launch can move them all to/from ``device``."""
+    if device.type != "cuda" or not stores:
+        return None
+    views = []
+    for s in stores:
+        s.check_open()
+        dv = s.device_view()
+        if dv is None or dv.device != device:
+            return None
+        views.append(dv)
+    first = stores[0]
+    if any(s.num_rows != first.num_rows or s.row_nbytes != first.row_nbytes for s in stores):
+        return None
+    return views
+
+
+def gather_many(
+    stores: list[Store],
+    ids: torch.Tensor,
+    device: torch.device,
+    outs: list[torch.Tensor | None] | None = None,
+    strategy: str = "auto",
+) -> list[torch.Tensor]:
+    """The rows at ``ids`` of several stores with the same rows (a table and its optimizer
+    states): one fused GPU launch per four stores where they are all CUDA-addressable,
+    else one :meth:`Store.gather` each."""
+    outs = [None] * len(stores) if outs is None else list(outs)
+    views = _fused_views(stores, device)
+    if views is not None:
+        return _engine.gather_many(views, ids, outs, strategy, [s.host_view() for s in stores])
+    return [
+        s.gather(ids, device, out=o, strategy=strategy) for s, o in zip(stores, outs, strict=True)
+    ]
+
+
+def scatter_many(
+    stores: list[Store],
+    ids: torch.Tensor,
+    rows: list[torch.Tensor],
+    strategy: str = "auto",
+    *,
+    unique: bool = False,
+) -> None:
+    """``store[ids] = rows[k]`` for every store ``k`` (same rows), fused like :func:`gather_many`.
+
+    ``unique=True`` promises distinct ids (see :meth:`Store.scatter`)."""
+    device = rows[0].device if rows else torch.device("cpu")
+    views = _fused_views(stores, device)
+    if views is not None and all(r.device == device for r in rows):
+        for s in stores:
+            s.check_writable()
+        _engine.scatter_many(
+            views, ids, rows, strategy, [s.host_view() for s in stores], unique=unique
+        )
+        return
+    for s, r in zip(stores, rows, strict=True):
+        s.scatter(ids, r, strategy)

@@ -476,7 +476,9 @@ class FileStore(Store):
             return out
         return shaped
 
-    def scatter(self, ids: torch.Tensor, rows: torch.Tensor, strategy: str = "auto") -> None:
+    def scatter(
+        self, ids: torch.Tensor, rows: torch.Tensor, strategy: str = "auto", *, unique: bool = False
+    ) -> None:
         """``table[ids] = rows`` written through to the file; a repeated id takes its last row."""
         self.check_writable()
         src = _numpy_bits(rows.reshape(-1, *self.row_shape).detach().cpu().contiguous())

@@ -17,7 +17,6 @@ import torch
 
 from .._device import cupy_available
 from .._errors import GadgetKeyError, GadgetValueError
-from .._ids import last_writer
 from . import _kernels
 
 __all__ = ["STRATEGIES", "gather", "scatter", "resolve_strategy", "set_hybrid_fraction"]
@@ -107,6 +106,32 @@ def _stage_view(buf: torch.Tensor, n: int, like: torch.Tensor) -> torch.Tensor:
     return buf[:nbytes].view(like.dtype).view(n, *row)
 
 
+def _as_list(x: Any) -> list[Any]:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _groups(n: int) -> list[slice]:
+    """Slices of at most ``MAX_TABLES`` tables: one fused launch each."""
+    step = _kernels.MAX_TABLES
+    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def _check_fused(tables: list[torch.Tensor]) -> None:
+    first = tables[0]
+    for t in tables[1:]:
+        if (
+            t.device != first.device
+            or t.shape[0] != first.shape[0]
+            or t.shape[1:].numel() * t.element_size()
+            != first.shape[1:].numel() * first.element_size()
+        ):
+            raise GadgetValueError(
+                "tables moved together must be on one device with the same number of rows and "
+                f"the same row size in bytes; got {tuple(first.shape)} {first.dtype} on "
+                f"{first.device} and {tuple(t.shape)} {t.dtype} on {t.device}"
+            )
+
+
 def gather(
     table: torch.Tensor,
     ids: torch.Tensor,
@@ -120,36 +145,67 @@ def gather(
     table's device (or the CPU for ``hybrid``); its shape becomes the leading shape of
     the result. ``host`` is the CPU view of the same table where one exists.
     """
-    row_shape = tuple(table.shape[1:])
+    return gather_many([table], ids, None if out is None else [out], strategy, [host])[0]
+
+
+def gather_many(
+    tables: list[torch.Tensor],
+    ids: torch.Tensor,
+    outs: list[torch.Tensor | None] | None = None,
+    strategy: str = "auto",
+    hosts: list[torch.Tensor | None] | None = None,
+) -> list[torch.Tensor]:
+    """The same rows of several tables (a table and its optimizer states) at once.
+
+    The tables must share the device, the row count and the row size in bytes (dtypes
+    and row shapes may differ); the ``kernel`` and ``sorted`` strategies move up to
+    four of them per launch. Returns one tensor per table, as :func:`gather`.
+    """
+    tables = _as_list(tables)
+    hosts = [None] * len(tables) if hosts is None else _as_list(hosts)
+    _check_fused(tables)
+    n = ids.numel()
     flat = ids.reshape(-1)
-    n = flat.numel()
-    device = table.device
-    if out is None:
-        out = torch.empty((n, *row_shape), dtype=table.dtype, device=device)
-    elif (
-        tuple(out.shape) not in ((*ids.shape, *row_shape), (n, *row_shape))
-        or not out.is_contiguous()
-    ):
-        raise GadgetValueError(
-            f"out must be a contiguous tensor of shape {(*ids.shape, *row_shape)}; got {tuple(out.shape)}"
-        )
-    flat_out = out.view(n, *row_shape)
-    if n == 0 or math.prod(row_shape) == 0:
-        return out.view(tuple(ids.shape) + row_shape)
-    how = resolve_strategy(strategy, table, n, host)
+    results: list[torch.Tensor] = []
+    flat_outs: list[torch.Tensor] = []
+    for k, table in enumerate(tables):
+        row_shape = tuple(table.shape[1:])
+        out = None if outs is None else outs[k]
+        if out is None:
+            out = torch.empty((n, *row_shape), dtype=table.dtype, device=table.device)
+        elif (
+            tuple(out.shape) not in ((*ids.shape, *row_shape), (n, *row_shape))
+            or not out.is_contiguous()
+            or out.dtype != table.dtype
+            or out.device != table.device
+        ):
+            raise GadgetValueError(
+                f"out must be a contiguous {table.dtype} tensor on {table.device} of shape "
+                f"{(*ids.shape, *row_shape)}; got {tuple(out.shape)} {out.dtype} on {out.device}"
+            )
+        results.append(out.view(tuple(ids.shape) + row_shape))
+        flat_outs.append(out.view(n, *row_shape))
+    first = tables[0]
+    if n == 0 or math.prod(first.shape[1:]) == 0:
+        return results
+    host0 = hosts[0] if all(h is not None for h in hosts) else None
+    how = resolve_strategy(strategy, first, n, host0)
     if how == "hybrid":
-        assert host is not None
-        _hybrid_gather(table, host, flat, flat_out)
-    else:
-        flat = flat.to(device)
-        if how == "torch":
-            torch.index_select(table, 0, flat, out=flat_out)
-        elif how == "sorted":
-            sorted_ids, pos = torch.sort(flat)
-            _kernels.launch_gather(table, sorted_ids, flat_out, pos)
-        else:
-            _kernels.launch_gather(table, flat, flat_out)
-    return out.view(tuple(ids.shape) + row_shape)
+        for table, host, out in zip(tables, hosts, flat_outs, strict=True):
+            assert host is not None
+            _hybrid_gather(table, host, flat, out)
+        return results
+    flat = flat.to(first.device)
+    if how == "torch":
+        for table, out in zip(tables, flat_outs, strict=True):
+            torch.index_select(table, 0, flat, out=out)
+        return results
+    pos = None
+    if how == "sorted":
+        flat, pos = torch.sort(flat)
+    for g in _groups(len(tables)):
+        _kernels.launch_gather(tables[g], flat, flat_outs[g], pos)
+    return results
 
 
 def _hybrid_gather(
@@ -188,54 +244,94 @@ def scatter(
     rows: torch.Tensor,
     strategy: str = "auto",
     host: torch.Tensor | None = None,
+    *,
+    unique: bool = False,
 ) -> None:
     """``table[ids] = rows`` in place; for a repeated id the *last* occurrence wins.
 
     ``rows`` is a CUDA tensor of shape ``ids.shape + row shape`` and the table's dtype.
-    The ids are sorted on the GPU and repeats are masked out, so the result is
-    deterministic and the writes walk the table in address order.
+    The ids are sorted (stably) on the GPU and the kernel writes only the last entry of
+    each run of equal ids, so the result is deterministic and the writes walk the
+    table in address order. ``unique=True`` promises distinct ids (the switchers' row
+    plans): the sort is skipped and every entry is written in the order given.
     """
-    flat = ids.reshape(-1).to(table.device)
+    scatter_many([table], ids, [rows], strategy, [host], unique=unique)
+
+
+def scatter_many(
+    tables: list[torch.Tensor],
+    ids: torch.Tensor,
+    rows: list[torch.Tensor],
+    strategy: str = "auto",
+    hosts: list[torch.Tensor | None] | None = None,
+    *,
+    unique: bool = False,
+) -> None:
+    """Scatter the same ids into several tables at once (one fused launch per four
+    tables); ``rows[k]`` goes to ``tables[k]``. Rules as :func:`scatter`."""
+    tables = _as_list(tables)
+    rows = _as_list(rows)
+    hosts = [None] * len(tables) if hosts is None else _as_list(hosts)
+    if len(rows) != len(tables):
+        raise GadgetValueError(f"got {len(tables)} tables but {len(rows)} row tensors")
+    _check_fused(tables)
+    first = tables[0]
+    flat = ids.reshape(-1).to(first.device)
     n = flat.numel()
-    if n == 0 or math.prod(table.shape[1:]) == 0:
+    if n == 0 or math.prod(first.shape[1:]) == 0:
         return
-    src = rows.reshape(n, *table.shape[1:])
-    if not src.is_contiguous():
-        src = src.contiguous()
-    how = resolve_strategy(strategy, table, n, host, kind="scatter")
-    plan = last_writer(flat)
-    if how == "torch":
-        sel = plan.keep.nonzero().squeeze(1)
-        table.index_copy_(0, plan.ids[sel], src[plan.pos[sel]])
-    elif how == "hybrid":
-        assert host is not None
-        _hybrid_scatter(table, host, plan.ids, plan.pos, plan.keep, src)
+    srcs = []
+    for table, r in zip(tables, rows, strict=True):
+        src = r.reshape(n, *table.shape[1:])
+        srcs.append(src if src.is_contiguous() else src.contiguous())
+    host0 = hosts[0] if all(h is not None for h in hosts) else None
+    how = resolve_strategy(strategy, first, n, host0, kind="scatter")
+    if unique:
+        sorted_ids, pos, mode = flat, None, _kernels.SCATTER_ALL
     else:
-        _kernels.launch_scatter(table, plan.ids, src, plan.pos, plan.keep)
+        sorted_ids, pos = torch.sort(flat, stable=True)
+        mode = _kernels.SCATTER_LAST_OF_RUN
+    if how in ("torch", "hybrid"):
+        keep = _last_of_run(sorted_ids) if not unique else None
+        sel_ids, sel_pos = sorted_ids, pos
+        if keep is not None:
+            sel = keep.nonzero().squeeze(1)
+            sel_ids, sel_pos = sorted_ids[sel], pos[sel] if pos is not None else sel
+        for table, host, src in zip(tables, hosts, srcs, strict=True):
+            picked = src if sel_pos is None else src[sel_pos]
+            if how == "torch" or host is None:
+                table.index_copy_(0, sel_ids, picked)
+            else:
+                _hybrid_scatter(table, host, sel_ids, picked)
+        return
+    for g in _groups(len(tables)):
+        _kernels.launch_scatter(tables[g], sorted_ids, srcs[g], pos, mode)
+
+
+def _last_of_run(sorted_ids: torch.Tensor) -> torch.Tensor:
+    """Mask of the entries that are the last of their run of equal (sorted) ids."""
+    keep = torch.ones_like(sorted_ids, dtype=torch.bool)
+    if sorted_ids.numel() > 1:
+        torch.ne(sorted_ids[1:], sorted_ids[:-1], out=keep[:-1])
+    return keep
 
 
 def _hybrid_scatter(
-    table: torch.Tensor,
-    host: torch.Tensor,
-    ids: torch.Tensor,
-    pos: torch.Tensor,
-    keep: torch.Tensor,
-    src: torch.Tensor,
+    table: torch.Tensor, host: torch.Tensor, ids: torch.Tensor, src: torch.Tensor
 ) -> None:
+    """``table[ids] = src`` for distinct ``ids``: the GPU kernel writes a share while CPU
+    threads write the rest from a pinned staging copy."""
     n = ids.numel()
     k = int(n * _hybrid["fraction"])
     device = table.device
     if k < n:
-        _kernels.launch_scatter(table, ids[k:], src, pos[k:], keep[k:])
+        _kernels.launch_scatter(table, ids[k:], src[k:])
     if k == 0:
         return
-    sel = keep[:k].nonzero().squeeze(1)
-    cpu_rows_dev = src[pos[:k][sel]]  # the CPU's share, packed on the GPU
-    cpu_ids = ids[:k][sel].cpu()
-    m = cpu_ids.numel()
-    buf = _staging.get(m * math.prod(table.shape[1:]) * table.element_size(), device)
-    stage = _stage_view(buf, m, table)
-    stage.copy_(cpu_rows_dev, non_blocking=True)
+    cpu_ids = ids[:k].cpu()
+    buf = _staging.get(k * math.prod(table.shape[1:]) * table.element_size(), device)
+    stage = _stage_view(buf, k, table)
+    stage.copy_(src[:k], non_blocking=True)
     ev = torch.cuda.current_stream(device).record_event()
     ev.synchronize()
     host.index_copy_(0, cpu_ids, stage)  # CPU threads; the GPU kernel writes its share meanwhile

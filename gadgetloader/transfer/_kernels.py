@@ -15,8 +15,12 @@ Design (see ``DESIGN.md``):
   last line of defence: a kernel never reads or writes outside a table, even if a
   caller skipped the host-side check (which raises before any launch).
 * ``pos`` lets a gather visit ids in sorted order while writing each row to its
-  original output position; ``keep`` lets a scatter skip the repeats of an id that
-  lose to its last occurrence, without compacting (no GPU->CPU synchronisation).
+  original output position. A scatter of stably sorted ids writes only the last
+  entry of each run of equal ids (its last occurrence), tested in the kernel by
+  comparing with the next id: no mask, no compaction, no GPU->CPU synchronisation.
+* One launch moves the same ids for up to four tables of one row layout (a table
+  and its optimizer states): ``blockIdx.y`` picks the table, so the switchers pay
+  one launch per step and direction instead of one per table.
 """
 
 from __future__ import annotations
@@ -30,7 +34,14 @@ import torch
 
 from .._device import cupy_stream, get_cupy
 
-__all__ = ["launch_gather", "launch_scatter", "vector_width"]
+__all__ = [
+    "MAX_TABLES",
+    "SCATTER_ALL",
+    "SCATTER_LAST_OF_RUN",
+    "launch_gather",
+    "launch_scatter",
+    "vector_width",
+]
 
 #: independent row vectors each thread loads before storing. The H200 sweep (DESIGN.md)
 #: measured 1, 4 and 8 within noise of each other: the link, not the issue rate, limits.
@@ -38,7 +49,21 @@ UNROLL = 1
 SCATTER_UNROLL = 4
 BLOCK = 256
 
+#: tables one launch moves at most (a table and up to three optimizer states)
+MAX_TABLES = 4
+
+#: scatter modes: write every id as given (distinct ids); ids sorted stably, only the
+#: last entry of each run of equal ids writes (the last occurrence wins)
+SCATTER_ALL, SCATTER_LAST_OF_RUN = 0, 1
+
 _SOURCE = r"""
+// Up to four tables of one row layout move in one launch: blockIdx.y picks the table.
+template <typename T>
+__device__ __forceinline__ T pick(int k, T a, T b, T c, T d)
+{
+    return k == 0 ? a : (k == 1 ? b : (k == 2 ? c : d));
+}
+
 template <typename V>
 __device__ __forceinline__ void gather_rows(
     const V* __restrict__ src, long long n_rows, long long vpr,
@@ -74,7 +99,7 @@ template <typename V>
 __device__ __forceinline__ void scatter_rows(
     V* __restrict__ dst, long long n_rows, long long vpr,
     const long long* __restrict__ ids, const long long* __restrict__ pos,
-    const bool* __restrict__ keep, long long n, const V* __restrict__ src)
+    int mode, long long n, const V* __restrict__ src)
 {
     const long long total = n * vpr;
     const long long stride = (long long)blockDim.x * gridDim.x;
@@ -89,12 +114,12 @@ __device__ __forceinline__ void scatter_rows(
             if (k < total) {
                 const long long j = k / vpr;
                 const long long c = k - j * vpr;
-                if (keep == nullptr || keep[j]) {
-                    const long long r = ids[j];
-                    if (r >= 0 && r < n_rows) {
-                        v[u] = src[(pos ? pos[j] : j) * vpr + c];
-                        to[u] = r * vpr + c;
-                    }
+                const long long r = ids[j];
+                // mode 1: ids sorted stably; a repeat that a later entry overwrites is skipped
+                const bool wins = mode == 0 || j + 1 == n || ids[j + 1] != r;
+                if (wins && r >= 0 && r < n_rows) {  // never write outside
+                    v[u] = src[(pos ? pos[j] : j) * vpr + c];
+                    to[u] = r * vpr + c;
                 }
             }
         }
@@ -107,13 +132,23 @@ __device__ __forceinline__ void scatter_rows(
 
 #define GL_DEFINE(SUFFIX, V)                                                         \
 extern "C" __global__ void gl_gather_##SUFFIX(                                       \
-    const V* src, long long n_rows, long long vpr, const long long* ids,            \
-    const long long* pos, long long n, V* out)                                      \
-{ gather_rows<V>(src, n_rows, vpr, ids, pos, n, out); }                             \
+    const V* t0, const V* t1, const V* t2, const V* t3,                              \
+    V* o0, V* o1, V* o2, V* o3, long long n_rows, long long vpr,                     \
+    const long long* ids, const long long* pos, long long n)                         \
+{                                                                                    \
+    const int k = blockIdx.y;                                                        \
+    gather_rows<V>(pick(k, t0, t1, t2, t3), n_rows, vpr, ids, pos, n,                \
+                   pick(k, o0, o1, o2, o3));                                         \
+}                                                                                    \
 extern "C" __global__ void gl_scatter_##SUFFIX(                                      \
-    V* dst, long long n_rows, long long vpr, const long long* ids,                  \
-    const long long* pos, const bool* keep, long long n, const V* src)              \
-{ scatter_rows<V>(dst, n_rows, vpr, ids, pos, keep, n, src); }
+    V* t0, V* t1, V* t2, V* t3,                                                      \
+    const V* r0, const V* r1, const V* r2, const V* r3, long long n_rows,            \
+    long long vpr, const long long* ids, const long long* pos, int mode, long long n) \
+{                                                                                    \
+    const int k = blockIdx.y;                                                        \
+    scatter_rows<V>(pick(k, t0, t1, t2, t3), n_rows, vpr, ids, pos, mode, n,         \
+                    pick(k, r0, r1, r2, r3));                                        \
+}
 
 GL_DEFINE(16, uint4)
 GL_DEFINE(8, uint2)
@@ -172,10 +207,33 @@ def _function(device_index: int, unroll: int, name: str) -> Any:
     return fn
 
 
+def _check_group(tables: list[torch.Tensor], others: list[torch.Tensor]) -> int:
+    """Validate a fused group; return the row size in bytes."""
+    if not 1 <= len(tables) <= MAX_TABLES or len(others) != len(tables):
+        raise ValueError(
+            f"a fused launch takes 1..{MAX_TABLES} tables with one buffer each; "
+            f"got {len(tables)} tables and {len(others)} buffers"
+        )
+    first = tables[0]
+    row_nbytes = _row_nbytes(first)
+    for t in tables[1:]:
+        if t.shape[0] != first.shape[0] or _row_nbytes(t) != row_nbytes:
+            raise ValueError(
+                "fused tables must have the same number of rows and the same row size; got "
+                f"{tuple(first.shape)} {first.dtype} and {tuple(t.shape)} {t.dtype}"
+            )
+    return row_nbytes
+
+
+def _pointer_args(tensors: list[torch.Tensor]) -> list[np.uint64]:
+    ptrs = [_ptr(t) for t in tensors]
+    return ptrs + [ptrs[0]] * (MAX_TABLES - len(ptrs))  # unused slots: never selected
+
+
 def launch_gather(
-    table: torch.Tensor,
+    table: torch.Tensor | list[torch.Tensor],
     ids: torch.Tensor,
-    out: torch.Tensor,
+    out: torch.Tensor | list[torch.Tensor],
     pos: torch.Tensor | None = None,
     *,
     unroll: int = UNROLL,
@@ -183,66 +241,79 @@ def launch_gather(
 ) -> None:
     """``out[pos[j]] = table[ids[j]]`` (``out[j]`` when ``pos`` is None) for every ``j``.
 
-    An id outside the table yields a zero row (nothing outside the table is read).
+    ``table`` and ``out`` may be lists (up to :data:`MAX_TABLES`, same row count and
+    row size): the same ids are gathered from every table in one launch. An id
+    outside the table yields a zero row (nothing outside the table is read).
 
-    ``table`` is a CUDA-addressable tensor (GPU memory or a mapped host buffer),
-    ``ids`` and ``pos`` int64 CUDA tensors, ``out`` a contiguous CUDA tensor. The
-    launch is ordered on torch's current stream.
+    Tables are CUDA-addressable tensors (GPU memory or a mapped host buffer), ``ids``
+    and ``pos`` int64 CUDA tensors, outputs contiguous CUDA tensors. The launch is
+    ordered on torch's current stream.
     """
+    tables = table if isinstance(table, list) else [table]
+    outs = out if isinstance(out, list) else [out]
+    row_nbytes = _check_group(tables, outs)
     n = ids.numel()
-    if n == 0:
+    if n == 0 or row_nbytes == 0:
         return
-    device = out.device
-    row_nbytes = _row_nbytes(table)
-    w = min(max_vector, vector_width(row_nbytes, table.data_ptr(), out.data_ptr()))
+    device = outs[0].device
+    w = min(max_vector, vector_width(row_nbytes, *(t.data_ptr() for t in tables + outs)))
     vpr = row_nbytes // w
     idx = device.index if device.index is not None else 0
     kern = _function(idx, unroll, f"gl_gather_{w}")
     with get_cupy("GPU kernels").cuda.Device(idx), cupy_stream(device):
         kern(
-            (_grid(n * vpr, idx, unroll),),
+            (_grid(n * vpr, idx, unroll), len(tables)),
             (BLOCK,),
             (
-                _ptr(table),
-                np.int64(table.shape[0]),
+                *_pointer_args(tables),
+                *_pointer_args(outs),
+                np.int64(tables[0].shape[0]),
                 np.int64(vpr),
                 _ptr(ids),
                 _ptr(pos),
                 np.int64(n),
-                _ptr(out),
             ),
         )
 
 
 def launch_scatter(
-    table: torch.Tensor,
+    table: torch.Tensor | list[torch.Tensor],
     ids: torch.Tensor,
-    rows: torch.Tensor,
+    rows: torch.Tensor | list[torch.Tensor],
     pos: torch.Tensor | None = None,
-    keep: torch.Tensor | None = None,
+    mode: int = SCATTER_ALL,
 ) -> None:
-    """``table[ids[j]] = rows[pos[j]]`` for every ``j`` with ``keep[j]`` (all when None)."""
+    """``table[ids[j]] = rows[pos[j]]`` (``rows[j]`` when ``pos`` is None).
+
+    ``mode`` :data:`SCATTER_ALL` writes every entry (the ids must be distinct, or a
+    repeated row's bytes may mix); :data:`SCATTER_LAST_OF_RUN` expects ids sorted
+    stably (``pos`` the permutation) and writes only the last entry of each run of
+    equal ids, i.e. each id's last occurrence. Lists of tables / rows as in
+    :func:`launch_gather`.
+    """
+    tables = table if isinstance(table, list) else [table]
+    srcs = rows if isinstance(rows, list) else [rows]
+    row_nbytes = _check_group(tables, srcs)
     n = ids.numel()
-    if n == 0:
+    if n == 0 or row_nbytes == 0:
         return
-    device = rows.device
-    row_nbytes = _row_nbytes(table)
-    w = vector_width(row_nbytes, table.data_ptr(), rows.data_ptr())
+    device = srcs[0].device
+    w = vector_width(row_nbytes, *(t.data_ptr() for t in tables + srcs))
     vpr = row_nbytes // w
     idx = device.index if device.index is not None else 0
     kern = _function(idx, SCATTER_UNROLL, f"gl_scatter_{w}")
     with get_cupy("GPU kernels").cuda.Device(idx), cupy_stream(device):
         kern(
-            (_grid(n * vpr, idx, SCATTER_UNROLL),),
+            (_grid(n * vpr, idx, SCATTER_UNROLL), len(tables)),
             (BLOCK,),
             (
-                _ptr(table),
-                np.int64(table.shape[0]),
+                *_pointer_args(tables),
+                *_pointer_args(srcs),
+                np.int64(tables[0].shape[0]),
                 np.int64(vpr),
                 _ptr(ids),
                 _ptr(pos),
-                _ptr(keep),
+                np.int32(mode),
                 np.int64(n),
-                _ptr(rows),
             ),
         )
