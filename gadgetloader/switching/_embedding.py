@@ -128,7 +128,7 @@ class _OffloadedTable(nn.Module):
         if len(pending) == 1:
             ids, rows = pending[0]
             data, grad = rows.detach(), rows.grad
-            plan = RowPlan(ids, ids, ((ids.numel(),),))
+            plan = RowPlan(ids, ids, ((ids.numel(),),), True)
         else:
             all_ids = torch.cat([ids for ids, _ in pending])
             uniq, inverse = torch.unique(all_ids, sorted=True, return_inverse=True)
@@ -143,7 +143,7 @@ class _OffloadedTable(nn.Module):
                 data.index_copy_(0, where, rows.detach())
                 assert rows.grad is not None
                 grad.index_add_(0, where, rows.grad)
-            plan = RowPlan(uniq, inverse, ((all_ids.numel(),),))
+            plan = RowPlan(uniq, inverse, ((all_ids.numel(),),), True)
         assert grad is not None
         param.data = data
         if sparse:
@@ -158,11 +158,6 @@ class _OffloadedTable(nn.Module):
 
     def _has_pending_grads(self) -> bool:
         return any(rows.grad is not None for _, rows in self._pending)
-
-    def _write_back(self, plan: RowPlan) -> None:
-        store = self.table.store
-        rows = self._slot.param.detach()
-        store.scatter(plan.ids.to(store.ids_device(rows.device)), rows)
 
     def _clear_grads(self) -> None:
         for _, rows in self._pending:
@@ -448,8 +443,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.inner.step()
         for m, pager, plan in zip(self.tables, self.pagers, plans, strict=True):
             if plan is not None:
-                m._write_back(plan)
-                pager.store_back(plan)
+                # the rows and their state go back together: one fused scatter
+                pager.store_back(plan, with_table=(m.table.store, m._slot.param.detach()))
                 m._slot.param.grad = None
         return loss
 

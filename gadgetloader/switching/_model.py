@@ -290,7 +290,7 @@ class ModelSwitch:
         rows = rows[:n]
         if rows.dtype != store.dtype:
             rows = rows.to(store.dtype)
-        store.scatter(plan.ids.to(store.ids_device(rows.device)), rows)
+        store.scatter(plan.ids.to(store.ids_device(rows.device)), rows, unique=plan.distinct)
 
     # ---- whole table -------------------------------------------------------------
     def getNumpyVersion(self) -> Any:

@@ -26,6 +26,9 @@ import torch
 
 from .._errors import GadgetKeyError, GadgetTypeError, GadgetValueError
 from ..gadget import DataGadget
+from ..stores import Store
+from ..stores._base import gather_many as gather_stores
+from ..stores._base import scatter_many as scatter_stores
 from ._rows import PlanCache
 
 if TYPE_CHECKING:
@@ -237,8 +240,11 @@ class StatePager:
         self.layout = probe_state(optimizer, param)
         row_shape = tuple(param.shape[1:])
         self.tables: dict[str, DataGadget] = {}
+        #: whether a fresh row's state is all zeros (padding rows are then zeroed)
+        self._zero_init: dict[str, bool] = {}
         for key in self.layout.row_keys:
             init = self.layout.init_rows[key]
+            self._zero_init[key] = bool((init == 0).all().item()) if init.numel() else True
             table = DataGadget(
                 shape=(num_rows, *row_shape),
                 dtype=dtype if dtype is not None else init.dtype,
@@ -265,39 +271,63 @@ class StatePager:
 
         With ``capacity`` (> the plan's rows) the state tensors get that many rows,
         the extra ones holding a fresh row's state (padding of the model variable).
+        All state tables move in one fused gather where their placement allows.
         """
         state = self.optimizer.state[self.param]
         dev = self.param.device
         n = plan.num_rows
         cap = n if capacity is None else max(n, capacity)
-        for key, table in self.tables.items():
-            store = table.store
-            ids = plan.ids.to(store.ids_device(dev))
+        stores = [t.store for t in self.tables.values()]
+        full = [torch.empty((cap, *s.row_shape), dtype=s.dtype, device=dev) for s in stores]
+        if stores:
+            ids = plan.ids.to(stores[0].ids_device(dev))
+            gather_stores(stores, ids, dev, outs=[r[:n] for r in full])
+        for (key, store), rows in zip(zip(self.tables, stores, strict=True), full, strict=True):
             init = self.layout.init_rows[key]
-            if cap == n:
-                rows = store.gather(ids, dev)
-            else:
-                rows = torch.empty((cap, *store.row_shape), dtype=store.dtype, device=dev)
-                store.gather(ids, dev, out=rows[:n])
-                rows[n:].copy_(init.to(dev, store.dtype).expand(cap - n, *store.row_shape))
+            if cap > n:
+                if self._zero_init[key]:
+                    rows[n:].zero_()
+                else:
+                    rows[n:].copy_(init.to(dev, store.dtype).expand(cap - n, *store.row_shape))
             state[key] = rows if rows.dtype == init.dtype else rows.to(init.dtype)
         for key, value in self.layout.init_scalars.items():
             if key not in state:
                 state[key] = _snapshot(value)
 
-    def store_back(self, plan: RowPlan) -> None:
-        """Scatter the optimizer's state rows back to the tables (last occurrence wins)."""
+    def store_back(
+        self, plan: RowPlan, with_table: tuple[Store, torch.Tensor] | None = None
+    ) -> None:
+        """Scatter the optimizer's state rows back to the tables (last occurrence wins).
+
+        ``with_table`` = (the parameter's table store, its rows) writes the parameter's
+        rows in the same fused scatter.
+        """
         state = self.optimizer.state[self.param]
+        stores: list[Store] = []
+        rows_out: list[torch.Tensor] = []
+        if with_table is not None:
+            stores.append(with_table[0])
+            rows_out.append(with_table[1][: plan.num_rows])
         for key, table in self.tables.items():
             rows = state.get(key)
             if rows is None:
                 continue
-            store = table.store
             rows = rows[: plan.num_rows]
             if rows.dtype != table.dtype:
                 rows = rows.to(table.dtype)
-            ids = plan.ids.to(store.ids_device(rows.device))
-            store.scatter(ids, rows.detach())
+            stores.append(table.store)
+            rows_out.append(rows.detach())
+        if not stores:
+            return
+        where = rows_out[0].device
+        ids = plan.ids.to(stores[0].ids_device(where))
+        if all(r.device == where for r in rows_out) and all(
+            s.ids_device(where) == ids.device for s in stores
+        ):
+            scatter_stores(stores, ids, rows_out, unique=plan.distinct)
+        else:
+            for s, r in zip(stores, rows_out, strict=True):
+                s.scatter(plan.ids.to(s.ids_device(r.device)), r)
 
     def scalar_state(self) -> dict[str, Any]:
         """The scalar entries (``step``, ...) torch keeps for the parameter."""
