@@ -10,7 +10,7 @@ from conftest import NEEDS_CUPY
 
 import gadgetloader as gl
 from gadgetloader._errors import GadgetIndexError, GadgetTypeError, GadgetValueError
-from gadgetloader.switching._rows import _unique_checked, plan_rows
+from gadgetloader.switching._rows import plan_rows
 from gadgetloader.transfer import STRATEGIES, _engine
 
 
@@ -79,21 +79,11 @@ def test_bad_input_to_many_changes_no_table(placement: str, device: torch.device
         gl.gather_many(gadgets, [-1])
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_unique_plan_matches_torch_unique(seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    flat = torch.randint(0, 50 + 100 * seed, (1 + 997 * seed,), generator=gen)
-    uniq, inverse = _unique_checked(flat, 50 + 100 * seed)
-    ref_u, ref_inv = torch.unique(flat, sorted=True, return_inverse=True)
-    assert torch.equal(uniq, ref_u) and torch.equal(inverse, ref_inv)
-    assert torch.equal(uniq[inverse], flat)
-
-
-def test_unique_plan_checks_the_range() -> None:
+def test_merge_plan_checks_the_range_and_is_distinct() -> None:
     with pytest.raises(GadgetIndexError, match="out of range"):
-        _unique_checked(torch.tensor([3, 1, 10]), 10)
+        plan_rows((torch.tensor([3, 1, 10]),), "merge", 10)
     with pytest.raises(GadgetIndexError, match="negative"):
-        _unique_checked(torch.tensor([3, -1]), 10)
+        plan_rows((torch.tensor([3, -1]),), "merge", 10)
     plan = plan_rows((torch.tensor([4, 2, 4]),), "merge", 10)
     assert plan.distinct and plan.ids.tolist() == [2, 4] and plan.local.tolist() == [1, 0, 1]
     assert not plan_rows((torch.tensor([4, 2, 4]),), "separate", 10).distinct
@@ -136,14 +126,3 @@ def test_unique_scatter_writes_distinct_ids_in_order(placement_: str) -> None:
     ref = src.clone()
     ref[ids.cpu()] = new.cpu()
     assert torch.equal(torch.from_numpy(g.getNumpyVersion()), ref)
-
-
-@pytest.mark.gpu
-@NEEDS_CUPY
-def test_unique_plan_on_gpu_matches_torch_unique() -> None:
-    flat = torch.randint(0, 5000, (30_000,), device="cuda")
-    uniq, inverse = _unique_checked(flat, 5000)
-    ref_u, ref_inv = torch.unique(flat, sorted=True, return_inverse=True)
-    assert torch.equal(uniq, ref_u) and torch.equal(inverse, ref_inv)
-    with pytest.raises(GadgetIndexError):
-        _unique_checked(torch.tensor([0, 5000], device="cuda"), 5000)

@@ -158,9 +158,12 @@ class Store(abc.ABC):
             _engine.scatter(dv, ids, rows.to(dv.device), strategy=strategy, host=hv, unique=unique)
             return
         assert hv is not None
+        src = rows.reshape(-1, *self.row_shape).cpu()
+        if unique:
+            hv.index_copy_(0, ids.reshape(-1).cpu(), src)
+            return
         plan = last_writer(ids.reshape(-1).cpu())
         sel = plan.keep.nonzero().squeeze(1)
-        src = rows.reshape(-1, *self.row_shape).cpu()
         hv.index_copy_(0, plan.ids[sel], src[plan.pos[sel]])
 
     def read_block(self, start: int, stop: int) -> torch.Tensor:

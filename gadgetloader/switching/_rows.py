@@ -83,33 +83,14 @@ def plan_rows(
             check_range(flat, num_rows)
         local = torch.arange(flat.numel(), device=flat.device)
         return RowPlan(flat, local, shapes)
-    if flat.is_cuda and flat.numel():
-        uniq, inverse = _unique_checked(flat, num_rows)
-    else:
-        uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-        if num_rows is not None and uniq.numel():
-            check_range(uniq[:: max(1, uniq.numel() - 1)], num_rows)  # sorted: the ends suffice
+    uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+    if num_rows is not None and uniq.numel():
+        # sorted: the two ends suffice, read back in one copy (unique has just synchronised)
+        ends = uniq[:: max(1, uniq.numel() - 1)].tolist()
+        lo, hi = ends[0], ends[-1]
+        if lo < 0 or hi >= num_rows:
+            check_range(torch.tensor([lo, hi]), num_rows)  # raises with the usual message
     return RowPlan(uniq, inverse.reshape(-1), shapes, True)
-
-
-def _unique_checked(flat: torch.Tensor, num_rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.unique(flat, sorted=True, return_inverse=True)`` plus the range check, with
-    one GPU->CPU read (the count and both ends together) instead of two."""
-    s, perm = torch.sort(flat)
-    n = s.numel()
-    head = torch.empty(n, dtype=torch.bool, device=s.device)
-    head[:1] = True
-    torch.ne(s[1:], s[:-1], out=head[1:])
-    slot = torch.cumsum(head, 0)  # 1-based local row of each sorted entry
-    count, lo, hi = torch.stack((slot[-1], s[0], s[-1])).tolist()
-    if num_rows is not None and (lo < 0 or hi >= num_rows):
-        check_range(torch.tensor([lo, hi]), num_rows)  # raises with the usual message
-    slot -= 1
-    uniq = torch.empty(count, dtype=s.dtype, device=s.device)
-    uniq.scatter_(0, slot, s)  # repeats write the same value
-    inverse = torch.empty_like(slot)
-    inverse.scatter_(0, perm, slot)
-    return uniq, inverse
 
 
 def split_local(plan: RowPlan) -> tuple[torch.Tensor, ...]:

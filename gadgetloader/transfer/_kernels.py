@@ -195,16 +195,54 @@ def _grid(total: int, device_index: int, unroll: int = UNROLL) -> int:
     return max(1, min(-(-total // (BLOCK * unroll)), _max_blocks(device_index)))
 
 
-_functions: dict[tuple[int, int, str], Any] = {}
+_functions: dict[tuple[int, int, str], tuple[Any, bool]] = {}
 
 
-def _function(device_index: int, unroll: int, name: str) -> Any:
+def _function(device_index: int, unroll: int, name: str) -> tuple[Any, bool]:
+    """The compiled kernel and whether its call takes the stream directly: CuPy's
+    low-level ``Function`` does (``RawKernel.kernel``); a plain ``RawKernel`` does not."""
     key = (device_index, unroll, name)
-    fn = _functions.get(key)
-    if fn is None:
-        fn = _module(device_index, unroll).get_function(name)
-        _functions[key] = fn
-    return fn
+    entry = _functions.get(key)
+    if entry is None:
+        raw = _module(device_index, unroll).get_function(name)
+        with get_cupy("GPU kernels").cuda.Device(device_index):
+            low = getattr(raw, "kernel", None)
+        entry = (low, True) if low is not None and _raw_stream is not None else (raw, False)
+        _functions[key] = entry
+    return entry
+
+
+class _StreamRef:
+    """What CuPy's kernel call reads from a stream: its handle, as ``.ptr``."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+#: torch's current raw stream handle for a device index, without building a Stream object
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _launch(
+    kernel: tuple[Any, bool], grid: tuple[int, int], args: tuple[Any, ...], device: torch.device
+) -> None:
+    """Launch on torch's current stream of ``device`` with as little Python as possible:
+    this runs once per batch, and its cost bounds the rate of small transfers."""
+    fn, takes_stream = kernel
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if takes_stream:
+        assert _raw_stream is not None
+        stream = _StreamRef(_raw_stream(idx))
+        if torch.cuda.current_device() == idx:
+            fn(grid, (BLOCK,), args, stream=stream)
+        else:
+            with get_cupy("GPU kernels").cuda.Device(idx):
+                fn(grid, (BLOCK,), args, stream=stream)
+        return
+    with get_cupy("GPU kernels").cuda.Device(idx), cupy_stream(device):
+        fn(grid, (BLOCK,), args)
 
 
 def _check_group(tables: list[torch.Tensor], others: list[torch.Tensor]) -> int:
@@ -258,22 +296,21 @@ def launch_gather(
     device = outs[0].device
     w = min(max_vector, vector_width(row_nbytes, *(t.data_ptr() for t in tables + outs)))
     vpr = row_nbytes // w
-    idx = device.index if device.index is not None else 0
-    kern = _function(idx, unroll, f"gl_gather_{w}")
-    with get_cupy("GPU kernels").cuda.Device(idx), cupy_stream(device):
-        kern(
-            (_grid(n * vpr, idx, unroll), len(tables)),
-            (BLOCK,),
-            (
-                *_pointer_args(tables),
-                *_pointer_args(outs),
-                np.int64(tables[0].shape[0]),
-                np.int64(vpr),
-                _ptr(ids),
-                _ptr(pos),
-                np.int64(n),
-            ),
-        )
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    _launch(
+        _function(idx, unroll, f"gl_gather_{w}"),
+        (_grid(n * vpr, idx, unroll), len(tables)),
+        (
+            *_pointer_args(tables),
+            *_pointer_args(outs),
+            np.int64(tables[0].shape[0]),
+            np.int64(vpr),
+            _ptr(ids),
+            _ptr(pos),
+            np.int64(n),
+        ),
+        device,
+    )
 
 
 def launch_scatter(
@@ -300,20 +337,19 @@ def launch_scatter(
     device = srcs[0].device
     w = vector_width(row_nbytes, *(t.data_ptr() for t in tables + srcs))
     vpr = row_nbytes // w
-    idx = device.index if device.index is not None else 0
-    kern = _function(idx, SCATTER_UNROLL, f"gl_scatter_{w}")
-    with get_cupy("GPU kernels").cuda.Device(idx), cupy_stream(device):
-        kern(
-            (_grid(n * vpr, idx, SCATTER_UNROLL), len(tables)),
-            (BLOCK,),
-            (
-                *_pointer_args(tables),
-                *_pointer_args(srcs),
-                np.int64(tables[0].shape[0]),
-                np.int64(vpr),
-                _ptr(ids),
-                _ptr(pos),
-                np.int32(mode),
-                np.int64(n),
-            ),
-        )
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    _launch(
+        _function(idx, SCATTER_UNROLL, f"gl_scatter_{w}"),
+        (_grid(n * vpr, idx, SCATTER_UNROLL), len(tables)),
+        (
+            *_pointer_args(tables),
+            *_pointer_args(srcs),
+            np.int64(tables[0].shape[0]),
+            np.int64(vpr),
+            _ptr(ids),
+            _ptr(pos),
+            np.int32(mode),
+            np.int64(n),
+        ),
+        device,
+    )
