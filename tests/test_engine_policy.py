@@ -28,6 +28,8 @@ def test_auto_policy(with_cupy: None) -> None:
         _engine.resolve_strategy("auto", _table(16 << 30), 1 << 20, host) == "sorted"
     )  # 16 KB per id
     assert _engine.resolve_strategy("auto", big, 131072, host) == "hybrid"  # 512 KB per id
+    # a switcher-sized request (a few thousand sparse rows): the CPU share's fixed costs lose
+    assert _engine.resolve_strategy("auto", big, 3000, host) == "sorted"
     assert _engine.resolve_strategy("auto", big, 131072, None) == "sorted"  # no host view: GPU only
     assert _engine.resolve_strategy("auto", big, 131072, host, kind="scatter") == "kernel"
     assert _engine.resolve_strategy("hybrid", big, 131072, None) == "sorted"

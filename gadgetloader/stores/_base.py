@@ -235,14 +235,17 @@ def gather_many(
     device: torch.device,
     outs: list[torch.Tensor | None] | None = None,
     strategy: str = "auto",
+    *,
+    ids_sorted: bool = False,
 ) -> list[torch.Tensor]:
     """The rows at ``ids`` of several stores with the same rows (a table and its optimizer
     states): one fused GPU launch per four stores where they are all CUDA-addressable,
-    else one :meth:`Store.gather` each."""
+    else one :meth:`Store.gather` each. ``ids_sorted=True``: the ids are ascending."""
     outs = [None] * len(stores) if outs is None else list(outs)
     views = _fused_views(stores, device)
     if views is not None:
-        return _engine.gather_many(views, ids, outs, strategy, [s.host_view() for s in stores])
+        hosts = [s.host_view() for s in stores]
+        return _engine.gather_many(views, ids, outs, strategy, hosts, ids_sorted=ids_sorted)
     return [
         s.gather(ids, device, out=o, strategy=strategy) for s, o in zip(stores, outs, strict=True)
     ]

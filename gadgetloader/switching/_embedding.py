@@ -21,6 +21,7 @@ from .._dtypes import as_torch_dtype, dtype_name
 from .._errors import GadgetTypeError, GadgetValueError
 from .._ids import as_ids
 from ..gadget import DataGadget
+from ..stores._base import gather_many as gather_stores
 from ._optim import StatePager, supported_name
 from ._rows import RowPlan, plan_rows
 
@@ -110,7 +111,12 @@ class _OffloadedTable(nn.Module):
         ids = as_ids(input, self.num_embeddings, self.compute_device, check=False)
         plan = plan_rows((ids,), "merge", self.num_embeddings)
         store = self.table.store
-        rows = store.gather(plan.ids.to(store.ids_device(self.compute_device)), self.compute_device)
+        (rows,) = gather_stores(
+            [store],
+            plan.ids.to(store.ids_device(self.compute_device)),
+            self.compute_device,
+            ids_sorted=plan.distinct,
+        )
         if torch.is_grad_enabled() and self._attached:
             rows.requires_grad_(True)
             self._pending.append((plan.ids, rows))

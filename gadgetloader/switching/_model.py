@@ -23,6 +23,7 @@ from .._dtypes import as_torch_dtype, dtype_name
 from .._errors import GadgetTypeError, GadgetValueError
 from .._ids import as_ids
 from ..gadget import DataGadget
+from ..stores._base import gather_many as gather_stores
 from ._rows import DUPLICATE_MODES, PlanCache, RowPlan, plan_rows, split_local
 
 __all__ = ["ModelSwitch", "resolve_parameter", "switch_for"]
@@ -247,7 +248,9 @@ class ModelSwitch:
         dev = self.device
         n, cap = plan.num_rows, self.capacity_for(plan)
         rows = torch.empty((cap, *store.row_shape), dtype=store.dtype, device=dev)
-        store.gather(plan.ids.to(store.ids_device(dev)), dev, out=rows[:n])
+        gather_stores(
+            [store], plan.ids.to(store.ids_device(dev)), dev, [rows[:n]], ids_sorted=plan.distinct
+        )
         if cap > n:
             rows[n:].zero_()  # padding rows: no id maps to them, their gradient is zero
         self.param.data = rows

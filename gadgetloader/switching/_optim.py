@@ -281,7 +281,7 @@ class StatePager:
         full = [torch.empty((cap, *s.row_shape), dtype=s.dtype, device=dev) for s in stores]
         if stores:
             ids = plan.ids.to(stores[0].ids_device(dev))
-            gather_stores(stores, ids, dev, outs=[r[:n] for r in full])
+            gather_stores(stores, ids, dev, outs=[r[:n] for r in full], ids_sorted=plan.distinct)
         for (key, store), rows in zip(zip(self.tables, stores, strict=True), full, strict=True):
             init = self.layout.init_rows[key]
             if cap > n:

@@ -36,6 +36,11 @@ SORT_ABOVE_BYTES = 1 << 31
 #: the GPU's address translation limits even a sorted gather, and CPU threads take a share
 HYBRID_GAP_BYTES = 48 << 10
 
+#: ``auto`` considers ``hybrid`` only from this many ids: below it the CPU share's fixed
+#: costs (a stream synchronisation, a staging copy, thread start-up) outweigh its gain
+#: (the switchers' few thousand rows per step measured slower with it on the H200)
+HYBRID_MIN_IDS = 1 << 16
+
 #: share of the rows the CPU moves in the ``hybrid`` strategy (the H200 sweep balanced at ~0.6)
 _hybrid = {"fraction": 0.6}
 
@@ -59,8 +64,8 @@ def resolve_strategy(
 
     ``auto`` (measured on an H200, see DESIGN.md): tables up to 2 GB or requests of
     up to 1024 ids -> ``kernel``; larger tables -> ``sorted`` while the ids are dense
-    enough (at most :data:`HYBRID_GAP_BYTES` of table per id), else ``hybrid`` where
-    the table has a host view. Scatters always sort (that is how repeats are
+    enough (at most :data:`HYBRID_GAP_BYTES` of table per id) or the request is small
+    (under :data:`HYBRID_MIN_IDS` ids), else ``hybrid`` where the table has a host view. Scatters always sort (that is how repeats are
     merged), so ``auto`` scatters with ``kernel``.
     """
     if strategy not in STRATEGIES:
@@ -74,7 +79,7 @@ def resolve_strategy(
     nbytes = table.numel() * table.element_size()
     if kind == "scatter" or nbytes <= SORT_ABOVE_BYTES or n_ids <= 1024:
         return "kernel"
-    if host is None or nbytes / n_ids <= HYBRID_GAP_BYTES:
+    if host is None or n_ids < HYBRID_MIN_IDS or nbytes / n_ids <= HYBRID_GAP_BYTES:
         return "sorted"
     return "hybrid"
 
@@ -154,12 +159,16 @@ def gather_many(
     outs: list[torch.Tensor | None] | None = None,
     strategy: str = "auto",
     hosts: list[torch.Tensor | None] | None = None,
+    *,
+    ids_sorted: bool = False,
 ) -> list[torch.Tensor]:
     """The same rows of several tables (a table and its optimizer states) at once.
 
     The tables must share the device, the row count and the row size in bytes (dtypes
     and row shapes may differ); the ``kernel`` and ``sorted`` strategies move up to
     four of them per launch. Returns one tensor per table, as :func:`gather`.
+    ``ids_sorted=True`` says the ids are already ascending (a switcher's row plan), so
+    the ``sorted`` strategy needs no sort.
     """
     tables = _as_list(tables)
     hosts = [None] * len(tables) if hosts is None else _as_list(hosts)
@@ -201,7 +210,7 @@ def gather_many(
             torch.index_select(table, 0, flat, out=out)
         return results
     pos = None
-    if how == "sorted":
+    if how == "sorted" and not ids_sorted:
         flat, pos = torch.sort(flat)
     for g in _groups(len(tables)):
         _kernels.launch_gather(tables[g], flat, flat_outs[g], pos)

@@ -58,12 +58,6 @@ SCATTER_ALL, SCATTER_LAST_OF_RUN = 0, 1
 
 _SOURCE = r"""
 // Up to four tables of one row layout move in one launch: blockIdx.y picks the table.
-template <typename T>
-__device__ __forceinline__ T pick(int k, T a, T b, T c, T d)
-{
-    return k == 0 ? a : (k == 1 ? b : (k == 2 ? c : d));
-}
-
 template <typename V>
 __device__ __forceinline__ void gather_rows(
     const V* __restrict__ src, long long n_rows, long long vpr,
@@ -130,24 +124,29 @@ __device__ __forceinline__ void scatter_rows(
     }
 }
 
+// All arguments travel in one struct passed by value: one kernel parameter to marshal
+// from Python instead of fourteen (the launch's CPU cost bounds small transfers).
+struct GatherArgs {
+    const void* table[4]; void* out[4];
+    long long n_rows, vpr; const long long* ids; const long long* pos; long long n;
+};
+struct ScatterArgs {
+    void* table[4]; const void* rows[4];
+    long long n_rows, vpr; const long long* ids; const long long* pos; long long mode, n;
+};
+
 #define GL_DEFINE(SUFFIX, V)                                                         \
-extern "C" __global__ void gl_gather_##SUFFIX(                                       \
-    const V* t0, const V* t1, const V* t2, const V* t3,                              \
-    V* o0, V* o1, V* o2, V* o3, long long n_rows, long long vpr,                     \
-    const long long* ids, const long long* pos, long long n)                         \
+extern "C" __global__ void gl_gather_##SUFFIX(const GatherArgs a)                    \
 {                                                                                    \
     const int k = blockIdx.y;                                                        \
-    gather_rows<V>(pick(k, t0, t1, t2, t3), n_rows, vpr, ids, pos, n,                \
-                   pick(k, o0, o1, o2, o3));                                         \
+    gather_rows<V>((const V*)a.table[k], a.n_rows, a.vpr, a.ids, a.pos, a.n,         \
+                   (V*)a.out[k]);                                                    \
 }                                                                                    \
-extern "C" __global__ void gl_scatter_##SUFFIX(                                      \
-    V* t0, V* t1, V* t2, V* t3,                                                      \
-    const V* r0, const V* r1, const V* r2, const V* r3, long long n_rows,            \
-    long long vpr, const long long* ids, const long long* pos, int mode, long long n) \
+extern "C" __global__ void gl_scatter_##SUFFIX(const ScatterArgs a)                  \
 {                                                                                    \
     const int k = blockIdx.y;                                                        \
-    scatter_rows<V>(pick(k, t0, t1, t2, t3), n_rows, vpr, ids, pos, mode, n,         \
-                    pick(k, r0, r1, r2, r3));                                        \
+    scatter_rows<V>((V*)a.table[k], a.n_rows, a.vpr, a.ids, a.pos, (int)a.mode, a.n, \
+                    (const V*)a.rows[k]);                                            \
 }
 
 GL_DEFINE(16, uint4)
@@ -185,10 +184,6 @@ def _max_blocks(device_index: int) -> int:
 
 def _row_nbytes(table: torch.Tensor) -> int:
     return math.prod(table.shape[1:]) * table.element_size()
-
-
-def _ptr(t: torch.Tensor | None) -> np.uint64:
-    return np.uint64(0 if t is None else t.data_ptr())
 
 
 def _grid(total: int, device_index: int, unroll: int = UNROLL) -> int:
@@ -263,9 +258,21 @@ def _check_group(tables: list[torch.Tensor], others: list[torch.Tensor]) -> int:
     return row_nbytes
 
 
-def _pointer_args(tensors: list[torch.Tensor]) -> list[np.uint64]:
-    ptrs = [_ptr(t) for t in tensors]
+def _pointer_args(tensors: list[torch.Tensor]) -> list[int]:
+    ptrs = [t.data_ptr() for t in tensors]
     return ptrs + [ptrs[0]] * (MAX_TABLES - len(ptrs))  # unused slots: never selected
+
+
+#: the kernels' argument structs as raw 8-byte words (GatherArgs: 13, ScatterArgs: 14)
+_GATHER_ARGS = np.dtype([("w", np.uint64, (13,))])
+_SCATTER_ARGS = np.dtype([("w", np.uint64, (14,))])
+
+
+def _pack(dtype: np.dtype, words: list[int]) -> np.ndarray:
+    """One struct argument: a size-1 NumPy array, which CuPy passes to the kernel by value."""
+    arg = np.empty(1, dtype)
+    arg["w"][0] = words
+    return arg
 
 
 def launch_gather(
@@ -301,13 +308,18 @@ def launch_gather(
         _function(idx, unroll, f"gl_gather_{w}"),
         (_grid(n * vpr, idx, unroll), len(tables)),
         (
-            *_pointer_args(tables),
-            *_pointer_args(outs),
-            np.int64(tables[0].shape[0]),
-            np.int64(vpr),
-            _ptr(ids),
-            _ptr(pos),
-            np.int64(n),
+            _pack(
+                _GATHER_ARGS,
+                [
+                    *_pointer_args(tables),
+                    *_pointer_args(outs),
+                    tables[0].shape[0],
+                    vpr,
+                    ids.data_ptr(),
+                    0 if pos is None else pos.data_ptr(),
+                    n,
+                ],
+            ),
         ),
         device,
     )
@@ -342,14 +354,19 @@ def launch_scatter(
         _function(idx, SCATTER_UNROLL, f"gl_scatter_{w}"),
         (_grid(n * vpr, idx, SCATTER_UNROLL), len(tables)),
         (
-            *_pointer_args(tables),
-            *_pointer_args(srcs),
-            np.int64(tables[0].shape[0]),
-            np.int64(vpr),
-            _ptr(ids),
-            _ptr(pos),
-            np.int32(mode),
-            np.int64(n),
+            _pack(
+                _SCATTER_ARGS,
+                [
+                    *_pointer_args(tables),
+                    *_pointer_args(srcs),
+                    tables[0].shape[0],
+                    vpr,
+                    ids.data_ptr(),
+                    0 if pos is None else pos.data_ptr(),
+                    mode,
+                    n,
+                ],
+            ),
         ),
         device,
     )
