@@ -11,20 +11,22 @@ batched tensors with no per-sample work and no stacking.
 
 from __future__ import annotations
 
+import array
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset
+from torch.utils.data import get_worker_info as _worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 from .._device import cuda_available, cupy_available, resolve_device
 from .._errors import GadgetTypeError, GadgetValueError
 from .._ids import as_ids, check_range
 from ..gadget import DataGadget
-from ._sampler import chunk_rows_of
+from ._sampler import chunk_rows_of, sampler_ids_bound
 
 __all__ = ["GadgetBatch", "GadgetDataset"]
 
@@ -159,6 +161,7 @@ class GadgetDataset(Dataset[Any]):
             self.close()
             raise GadgetValueError("the dataset is empty: its columns have 0 rows")
         self._num_rows = sizes[0]
+        self._windows: dict[torch.device, _OrderWindow] = {}
 
     def _as_gadget(
         self, col: Any, i: int, placement: str | None, options: dict[str, Any]
@@ -220,45 +223,66 @@ class GadgetDataset(Dataset[Any]):
 
     # ---- rows --------------------------------------------------------------------------------
     def _target(self) -> torch.device:
-        if get_worker_info() is not None:
-            return torch.device("cpu")  # never touch CUDA in a DataLoader worker
+        if _worker_info() is not None:
+            return _CPU  # never touch CUDA in a DataLoader worker
         return self._device
 
     def gather(self, indices: Any) -> GadgetBatch:
         """The rows at ``indices`` of every column, gathered once per column.
 
         Returns a :class:`GadgetBatch` with one tensor of shape
-        ``indices.shape + row_shape`` per column.
+        ``indices.shape + row_shape`` per column. Ids that a :class:`GadgetSampler`
+        yielded (unchanged) are in range by construction and are not checked again.
 
         Raises
         ------
         GadgetIndexError, GadgetTypeError
             Ids out of range or not integers (nothing is read).
         """
-        ids = _checked_ids(indices, self._num_rows)
-        target = self._target()
-        by_device: dict[torch.device, torch.Tensor] = {}
+        bound = sampler_ids_bound(indices)
+        if bound is not None and bound <= self._num_rows:
+            return self._gather(indices, own=True)
+        return self._gather(_checked_ids(indices, self._num_rows), own=False)
+
+    def _gather(self, ids: torch.Tensor, *, own: bool) -> GadgetBatch:
+        """One gather per column of checked int64 ``ids``; ``own``: a sampler's own ids
+        (a view of its epoch order on the CPU), which CUDA columns take from the order's
+        window on the GPU instead of a per-batch copy."""
+        target = _CPU if _worker_info() is not None else self._device
+        first_ids: torch.Tensor | None = None
+        first_where: torch.device | None = None
         out = []
         for i, g in enumerate(self._columns):
             store = g.store
-            store.check_open()
+            if store.closed:
+                store.check_open()  # raises
             if (
                 target.type == "cpu"
                 and store.host_view() is None
                 and store.device_view() is not None
             ):
                 raise GadgetTypeError(
-                    f"column {i} lives in GPU memory ({store.placement!r}) and cannot be read in a "
-                    "DataLoader worker process; use num_workers=0 (a batch is one GPU gather) "
+                    f"column {i} lives in GPU memory ({store.placement!r}) and cannot be read in "
+                    "a DataLoader worker process; use num_workers=0 (a batch is one GPU gather) "
                     "or a 'pinned' / 'cpu' column"
                 )
             where = store.ids_device(target)
-            dev_ids = by_device.get(where)
-            if dev_ids is None:
-                dev_ids = _ids_on(ids, where)
-                by_device[where] = dev_ids
-            out.append(store.gather(dev_ids, target, strategy=getattr(g, "_strategy", "auto")))
+            if where.type == "cpu":
+                dev_ids = ids if ids.device.type == "cpu" else ids.cpu()
+            elif where == first_where and first_ids is not None:
+                dev_ids = first_ids
+            else:
+                sliced = self._window(where).slice(ids) if own else None
+                dev_ids = sliced if sliced is not None else _ids_on(ids, where)
+                first_ids, first_where = dev_ids, where
+            out.append(store.gather(dev_ids, target, strategy=g._strategy))
         return GadgetBatch(out)
+
+    def _window(self, device: torch.device) -> _OrderWindow:
+        win = self._windows.get(device)
+        if win is None:
+            win = self._windows[device] = _OrderWindow(device)
+        return win
 
     def __getitem__(self, index: Any) -> Any:
         """``ds[i]`` -> a tuple of one row per column; ``ds[ids]`` (list, array, tensor,
@@ -270,7 +294,23 @@ class GadgetDataset(Dataset[Any]):
         return self.gather(index)
 
     def __getitems__(self, indices: Any) -> list[GadgetBatch]:
-        """A whole batch for torch's fetcher: ``[GadgetBatch]`` (see the module notes)."""
+        """A whole batch for torch's fetcher: ``[GadgetBatch]`` (see the module notes).
+
+        The default form's ``BatchSampler`` hands over a list of Python ints: it is
+        read into int64 in one pass (``array.array``, which refuses anything that is
+        not an integer) and range-checked once, skipping the general id conversion.
+        """
+        if type(indices) is list and indices and type(indices[0]) is int:
+            try:
+                buf = array.array("q", indices)
+            except (TypeError, OverflowError):
+                pass  # not all ints: the general path below explains what is wrong
+            else:
+                ids = torch.frombuffer(buf, dtype=torch.int64)
+                lo, hi = torch.aminmax(ids)
+                if int(lo) < 0 or int(hi) >= self._num_rows:
+                    check_range(ids, self._num_rows)  # raises with the full message
+                return [self._gather(ids, own=False)]
         return [self.gather(indices)]
 
     # ---- lifetime ----------------------------------------------------------------------------
@@ -279,11 +319,82 @@ class GadgetDataset(Dataset[Any]):
         for g in self._owned:
             g.close()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # GPU copies of sampler orders stay behind (a spawned worker must not touch CUDA)
+        state = self.__dict__.copy()
+        state["_windows"] = {}
+        return state
+
     def __enter__(self) -> GadgetDataset:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+_CPU = torch.device("cpu")
+
+#: ids per upload of a sampler's epoch order to the GPU (2 MiB of int64; 64 batches of 4096)
+WINDOW_IDS = 1 << 18
+
+
+class _OrderWindow:
+    """A window of a :class:`GadgetSampler`'s epoch order on one device.
+
+    The sampler yields views of its (CPU) epoch order. Instead of copying each
+    batch's ids to the GPU, the order is uploaded :data:`WINDOW_IDS` positions at a
+    time and a batch's ids are a slice of the upload: one copy per 64 batches of
+    4096, none per batch. The upload is queued on the stream current at that time;
+    another stream that takes a slice first waits for the upload (an event) and is
+    recorded on the window's memory, so the caching allocator never reuses it under
+    a kernel still reading it. Only ids that are tagged and unchanged reach here
+    (see :func:`~gadgetloader.data._sampler.sampler_ids_bound`), so the window holds
+    exactly their values.
+    """
+
+    __slots__ = ("device", "base", "lo", "hi", "ids", "stream", "ready", "streams", "uploads")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.base: torch.Tensor | None = None  # the order uploaded (kept alive: `is` is safe)
+        self.lo = self.hi = 0
+        self.ids: torch.Tensor | None = None
+        self.stream: Any = None
+        self.ready: Any = None
+        self.streams: list[Any] = []
+        self.uploads = 0
+
+    def slice(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """``ids`` on the device as a slice of the window (uploading the window that
+        starts at them if needed), or None where ``ids`` is not a 1-D slice of an order."""
+        base = ids._base
+        if base is None or ids.dim() != 1 or base.dim() != 1 or not base.is_contiguous():
+            return None
+        n = int(ids.numel())
+        if n > 1 and ids.stride(0) != 1:
+            return None
+        off = int(ids.storage_offset() - base.storage_offset())
+        if base is not self.base or off < self.lo or off + n > self.hi:
+            self._upload(base, off, n)
+        assert self.ids is not None
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            if stream != self.stream and stream not in self.streams:
+                stream.wait_event(self.ready)
+                self.ids.record_stream(stream)
+                self.streams.append(stream)
+        return self.ids[off - self.lo : off - self.lo + n]
+
+    def _upload(self, base: torch.Tensor, off: int, n: int) -> None:
+        hi = min(base.numel(), off + max(n, WINDOW_IDS))
+        self.ids = _ids_on(base[off:hi], self.device)
+        self.base, self.lo, self.hi = base, off, hi
+        self.uploads += 1
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.current_stream(self.device)
+            self.ready = torch.cuda.Event()
+            self.ready.record(self.stream)
+            self.streams = []
 
 
 def _checked_ids(indices: Any, num_rows: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+from itertools import islice
 from typing import Any
 
 import torch
@@ -193,18 +194,14 @@ class GadgetLoader:
     # ---- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[GadgetBatch]:
         epoch, start = self._sampler._next_start()
-        it = iter(self._dataloader)
         active = [epoch, start, 0]
         self._active = active
-        if self._coalesce > 1:
-            gen = self._prefetched(
-                _coalesced(self._dataset, iter(self._sampler), self._coalesce), active
-            )
-        elif self._device.type == "cuda" and self._prefetch > 0:
-            gen = self._prefetched(it, active)
-        else:
-            gen = self._plain(it, active)
-        return gen
+        if self._coalesce > 1:  # the sampler directly: DataLoader adds nothing without workers
+            return self._grouped(iter(self._sampler), active)
+        it = iter(self._dataloader)
+        if self._device.type == "cuda" and self._prefetch > 0:
+            return self._prefetched(it, active)
+        return self._plain(it, active)
 
     def _finish(self, active: list[int]) -> None:
         if self._active is active:
@@ -213,6 +210,58 @@ class GadgetLoader:
     def _plain(self, it: Iterator[Any], active: list[int]) -> Iterator[GadgetBatch]:
         for batch in it:
             batch = _on_device(batch, self._device, non_blocking=False)
+            active[2] += 1
+            yield batch
+        self._finish(active)
+
+    def _grouped(
+        self, ids_iter: Iterator[torch.Tensor], active: list[int]
+    ) -> Iterator[GadgetBatch]:
+        """``coalesce`` batches at a time: one gather per column for the group (on the side
+        stream with prefetch), handed out as views; one event and one ``record_stream``
+        per group, not per batch."""
+        dataset, k, device = self._dataset, self._coalesce, self._device
+        side = None
+        if device.type == "cuda" and self._prefetch > 0:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+        pending: deque[tuple[GadgetBatch, GadgetBatch, Any]] = deque()
+
+        def fetch() -> bool:
+            group = list(islice(ids_iter, k))
+            if not group:
+                return False
+            ids = _joined(group)
+            ready = None
+            if side is not None:
+                with torch.cuda.stream(side):
+                    whole = dataset.gather(ids)
+                    ready = torch.cuda.Event()
+                    ready.record(side)
+            else:
+                whole = dataset.gather(ids)
+            if len(group) == 1:
+                pending.append((whole, whole, ready))
+            else:
+                parts = [t.split([len(g) for g in group]) for t in whole]
+                for j in range(len(group)):
+                    pending.append((GadgetBatch([p[j] for p in parts]), whole, ready))
+            return True
+
+        more = True
+        waited: tuple[Any, Any] = (None, None)  # (event, stream) last waited for
+        while more and len(pending) < max(1, self._prefetch):
+            more = fetch()
+        while pending:
+            batch, whole, ready = pending.popleft()
+            if ready is not None:
+                consumer = torch.cuda.current_stream(device)
+                if waited[0] is not ready or waited[1] != consumer:
+                    consumer.wait_event(ready)
+                    whole.record_stream(consumer)
+                    waited = (ready, consumer)
+            if more and len(pending) < max(1, self._prefetch):
+                more = fetch()
             active[2] += 1
             yield batch
         self._finish(active)
@@ -253,26 +302,29 @@ class GadgetLoader:
         self._finish(active)
 
 
-def _coalesced(dataset: GadgetDataset, ids_iter: Iterator[torch.Tensor], k: int) -> Iterator[Any]:
-    """Batches of ``ids_iter``, gathered ``k`` at a time (one gather per column) and
-    split into views. A lazy batch is yielded for each; the group's gather runs when
-    the first batch of the group is asked for."""
-    group: list[torch.Tensor] = []
-    for ids in ids_iter:
-        group.append(ids)
-        if len(group) == k:
-            yield from _split(dataset, group)
-            group = []
-    if group:
-        yield from _split(dataset, group)
-
-
-def _split(dataset: GadgetDataset, group: list[torch.Tensor]) -> Iterator[GadgetBatch]:
-    sizes = [int(g.numel()) for g in group]
-    whole = dataset.gather(torch.cat(group) if len(group) > 1 else group[0])
-    parts = [t.split(sizes) for t in whole]
-    for i in range(len(group)):
-        yield GadgetBatch(p[i] for p in parts)
+def _joined(group: list[torch.Tensor]) -> torch.Tensor:
+    """The ids of consecutive batches as one tensor: a view of the sampler's epoch order
+    when they are consecutive slices of it (so they stay the sampler's own ids: no check,
+    no copy to the GPU), else their concatenation."""
+    first = group[0]
+    if len(group) == 1:
+        return first
+    base = first._base
+    if base is not None and base.dim() == 1:
+        origin = base.storage_offset()
+        start = pos = first.storage_offset() - origin
+        for g in group:
+            if (
+                g._base is not base
+                or g.dim() != 1
+                or (g.numel() > 1 and g.stride(0) != 1)
+                or g.storage_offset() - origin != pos
+            ):
+                break
+            pos += g.numel()
+        else:
+            return base[start:pos]
+    return torch.cat(group)
 
 
 def _on_device(batch: Any, device: torch.device, *, non_blocking: bool) -> GadgetBatch:

@@ -31,6 +31,45 @@ ORDERS: tuple[str, ...] = ("sequential", "random", "chunk")
 _STATE_VERSION = 1
 _MASK64 = (1 << 64) - 1
 
+#: epoch orders of up to this many rows are kept as int64, so a batch is a slice (a view)
+#: of the order; larger ones as int32 (half the memory; a batch is then a converted copy)
+WIDE_ORDER_ROWS = 1 << 27
+
+#: attribute on an id tensor a sampler made (or on the order its batches are views of):
+#: ``(bound, version)`` -- every id is in ``[0, bound)`` as long as the tensor's version
+#: counter still reads ``version`` (an in-place change bumps it)
+_MARK = "_gadget_ids_below"
+
+
+def _mark(t: torch.Tensor, bound: int) -> torch.Tensor:
+    """Tag ``t`` (ids this module made, all in ``[0, bound)``) so that a dataset can skip
+    their range check. Inference tensors (no version counter) stay untagged."""
+    if not t.is_inference():
+        setattr(t, _MARK, (bound, t._version))
+    return t
+
+
+def sampler_ids_bound(ids: Any) -> int | None:
+    """``bound`` if ``ids`` is an int64 CPU tensor a :class:`GadgetSampler` yielded (or a view
+    of one), unchanged since, with every id in ``[0, bound)``; else None.
+
+    Costs a few attribute reads: this is what lets a dataset skip the per-batch range
+    check for a sampler's own ids.
+    """
+    if type(ids) is not torch.Tensor:
+        return None
+    holder = ids._base
+    if holder is None:
+        holder = ids
+    mark = getattr(holder, _MARK, None)
+    if mark is None or ids.dtype != torch.int64:  # views share the base's device
+        return None
+    try:
+        version = holder._version
+    except RuntimeError:  # pragma: no cover - inference tensors are never marked
+        return None
+    return mark[0] if version == mark[1] else None
+
 
 def _check_int(value: Any, name: str, *, minimum: int) -> int:
     if isinstance(value, bool):
@@ -66,18 +105,31 @@ def _mix_seed(seed: int, epoch: int) -> int:
 
 
 def _index_dtype(num_rows: int) -> torch.dtype:
-    return torch.int32 if num_rows < 2**31 else torch.int64
+    return torch.int32 if WIDE_ORDER_ROWS < num_rows < 2**31 else torch.int64
 
 
 def _epoch_order(
     num_rows: int, order: str, seed: int, epoch: int, chunk_rows: int, window_chunks: int
 ) -> torch.Tensor:
-    """The epoch's permutation of ``range(num_rows)`` (int32 below 2**31 rows)."""
+    """The epoch's permutation of ``range(num_rows)``: int64, or int32 between
+    :data:`WIDE_ORDER_ROWS` and 2**31 rows; tagged (see :func:`sampler_ids_bound`)."""
+    with torch.inference_mode(False):  # a normal tensor (with a version counter) even when
+        # the first epoch's order is computed inside the caller's inference mode
+        return _mark(
+            _epoch_order_of(num_rows, order, seed, epoch, chunk_rows, window_chunks), num_rows
+        )
+
+
+def _epoch_order_of(
+    num_rows: int, order: str, seed: int, epoch: int, chunk_rows: int, window_chunks: int
+) -> torch.Tensor:
     gen = torch.Generator()
     gen.manual_seed(_mix_seed(seed, epoch))
     dtype = _index_dtype(num_rows)
     if order == "random":
-        return torch.randperm(num_rows, generator=gen, dtype=dtype)
+        # int32 shuffles faster (half the memory traffic) and gives the same permutation
+        narrow = torch.int32 if num_rows < 2**31 else torch.int64
+        return torch.randperm(num_rows, generator=gen, dtype=narrow).to(dtype)
     # chunk-aware: shuffle the chunks, then rows inside windows of `window_chunks` chunks
     num_chunks = -(-num_rows // chunk_rows)
     chunk_order = torch.randperm(num_chunks, generator=gen)
@@ -174,10 +226,17 @@ class GadgetSampler(Sampler[Any]):
 
     **Cost.** The order of epoch ``e + 1`` is computed by a background thread
     while epoch ``e`` runs (``torch.randperm`` releases the GIL), so no batch
-    waits for it; it holds 4 bytes per row (8 above 2**31 rows), twice while the
-    next epoch's order is ready. The first epoch's order is computed when
-    iteration starts (about 10-40 ns per row). A batch costs one slice copy
-    (microseconds).
+    waits for it; it holds 8 bytes per row (4 between :data:`WIDE_ORDER_ROWS` =
+    2**27 and 2**31 rows), twice while the next epoch's order is ready. The first
+    epoch's order is computed when iteration starts (about 10-40 ns per row).
+
+    A batch is then a *view* of the epoch's order (one slice, about a microsecond;
+    a converted copy for int32 orders and for the wrapped-around rows of ``pad``):
+    clone it before changing it in place. The sampler's ids are tagged as its own,
+    so :class:`GadgetDataset` skips their range check (they are in range by
+    construction) and, for tables on the GPU, uploads the order a window of many
+    batches at a time instead of copying each batch's ids to the GPU. An id
+    tensor changed in place loses the tag and is checked like any other.
 
     Examples
     --------
@@ -388,20 +447,21 @@ class GadgetSampler(Sampler[Any]):
         fut = self._order_future(e, background=False)
         if fut is None:
             return torch.arange(self._num_rows)
-        return fut.result().to(torch.int64)
+        return fut.result().to(torch.int64, copy=True)  # the sampler's own stays untouched
 
     # ---- iteration ---------------------------------------------------------------------------
-    def _batch_ids(self, order: torch.Tensor | None, b: int) -> torch.Tensor:
-        p0 = self._share_start + b * self._batch_size
-        end = self._share_len if b == self._num_batches - 1 else (b + 1) * self._batch_size
-        p1 = self._share_start + end
+    def _ids_at(self, order: torch.Tensor | None, p0: int, p1: int) -> torch.Tensor:
+        """Ids at epoch positions ``[p0, p1)``: a view of an int64 order, else a new tensor;
+        tagged either way (see :func:`sampler_ids_bound`)."""
         n = self._num_rows
         if p1 <= n:
             if order is None:
-                return torch.arange(p0, p1, dtype=torch.int64)
-            return order[p0:p1].to(torch.int64, copy=True)
+                return _mark(torch.arange(p0, p1, dtype=torch.int64), n)
+            if order.dtype == torch.int64:
+                return order[p0:p1]  # the order is tagged; views share its tag
+            return _mark(order[p0:p1].to(torch.int64), n)
         pos = torch.arange(p0, p1, dtype=torch.int64).remainder_(n)
-        return pos if order is None else order[pos].to(torch.int64)
+        return _mark(pos if order is None else order[pos].to(torch.int64), n)
 
     def __iter__(self) -> Iterator[Any]:  # int64 id tensors; Any keeps DataLoader's typing happy
         # The pass starts (taking any loaded resume position) at its first next():
@@ -420,8 +480,17 @@ class GadgetSampler(Sampler[Any]):
         fut = self._order_future(epoch, background=False)
         order = fut.result() if fut is not None else None
         self._order_future(epoch + 1, background=True)
-        for b in range(start, self._num_batches):
-            ids = self._batch_ids(order, b)
+        # the per-batch path: a slice of the epoch order and a few integer operations
+        nb, B, s0, n = self._num_batches, self._batch_size, self._share_start, self._num_rows
+        full_end = s0 + (nb - 1) * B  # start of the last batch
+        last_end = s0 + self._share_len
+        fast = order is not None and order.dtype == torch.int64 and last_end <= n
+        for b in range(start, nb):
+            p0 = s0 + b * B
+            if fast:
+                ids = order[p0 : p0 + B] if p0 < full_end else order[p0:last_end]  # type: ignore[index]
+            else:
+                ids = self._ids_at(order, p0, p0 + B if p0 < full_end else last_end)
             if self._epoch == epoch:
                 self._position = b + 1
             yield ids
