@@ -180,6 +180,9 @@ class Hdf5Source(ArraySource):
         self._table_pid = 0
         self._fd = -1
         self._fd_pid = 0
+        self._map: Any = None
+        self._map_pid = 0
+        self._all_raw = False
         f = self._open_file(h5py)
         try:
             names = _datasets_in(f, h5py)
@@ -248,21 +251,24 @@ class Hdf5Source(ArraySource):
             self._lock_pid = os.getpid()
         return self._lock
 
+    def _plain_bytes(self, stored: np.dtype) -> bool:
+        """Whether stored elements are the table's bytes as they are (native order, same type)."""
+        if (
+            stored.byteorder not in ("=", "|")
+            and stored.byteorder != {"little": "<", "big": ">"}[sys.byteorder]
+        ):
+            return False
+        return stored == numpy_dtype(self.dtype) or (
+            self.dtype == torch.bfloat16 and stored.itemsize == 2
+        )
+
     def _direct_mode(self, ds: Any, chunks: tuple[int, ...] | None) -> str | None:
         """``'raw'`` / ``'deflate'`` / ``'shuffle+deflate'`` when chunks may be read raw."""
         if chunks is None or tuple(chunks[1:]) != self.shape[1:]:
             return None
         if not hasattr(ds.id, "read_direct_chunk"):  # pragma: no cover - old h5py
             return None
-        stored = ds.dtype
-        if (
-            stored.byteorder not in ("=", "|")
-            and stored.byteorder != {"little": "<", "big": ">"}[sys.byteorder]
-        ):
-            return None
-        if stored != numpy_dtype(self.dtype) and not (
-            self.dtype == torch.bfloat16 and stored.itemsize == 2
-        ):
+        if not self._plain_bytes(ds.dtype):
             return None
         dcpl = ds.id.get_create_plist()
         filters = [dcpl.get_filter(i)[0] for i in range(dcpl.get_nfilters())]
@@ -287,6 +293,7 @@ class Hdf5Source(ArraySource):
                 os.close(self._fd)
             self._fd, self._fd_pid = -1, 0
             self._table, self._table_pid = None, 0
+            self._map, self._map_pid = None, 0
             _OPEN.discard(self)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -301,6 +308,8 @@ class Hdf5Source(ArraySource):
             _fd_pid=0,
             _table=None,
             _table_pid=0,
+            _map=None,
+            _map_pid=0,
         )
         return state
 
@@ -416,49 +425,94 @@ class Hdf5Source(ArraySource):
 
             for_each_chunk(one, chunks, slots, c * self.row_nbytes)
 
-    def read_rows_at(self, ids: np.ndarray, out: np.ndarray) -> bool:
-        """Read rows ``ids`` (ascending int64) into ``out`` straight from their file offsets.
+    def gather_rows(self, ids: np.ndarray, out: np.ndarray) -> bool:
+        """``out[i] = rows[ids[i]]`` (int64 ids in range, any order, repeats allowed), read
+        through a memory map of the file where the rows are stored as plain bytes.
 
-        Only for uncompressed chunks seen through a read-only handle: one ``preadv`` of
-        exactly one row per id (spread over the thread pool), so a sparse random read
-        costs the rows it returns, not whole chunks. Returns False, having read nothing,
-        where rows are not stored that way (compressed chunks, a handle open for writing,
-        unallocated chunks); callers then read whole chunks.
+        Only for a read-only handle on an uncompressed dataset: chunked (every chunk the
+        ids touch allocated, unfiltered and of full size, at the offsets of the chunk
+        index, which is checked once) or contiguous (``id.get_offset``). The page cache
+        is then the cache and one row costs one copy -- no per-row or per-chunk Python
+        work, no h5py call. Returns False, having written nothing, where rows are not
+        stored that way; callers then read whole chunks.
         """
-        if self._direct != "raw" or ids.size == 0:
+        if self._mode != "r" or ids.size == 0 or self.row_nbytes == 0:
             return False
-        out = as_bits(out, self.dtype)
-        rb = self.row_nbytes
-        c = self.chunk_rows
+        plain = self._direct == "raw" if self.chunked else self._plain_bytes(self._stored)
+        if not plain:
+            return False
         with self._guard():
-            ds = self._dataset()
-            table = self._chunk_table(ds)
-            if table is None:
+            rows = self._row_map()
+            if rows is None:
                 return False
+            rb = self.row_nbytes
+            dst = as_bits(out, self.dtype).reshape(ids.size, -1).view(np.uint8)
+            if isinstance(rows, np.ndarray):  # contiguous: the rows in file order
+                np.take(rows, ids, axis=0, out=dst)
+                return True
+            table, view = rows
+            c = self.chunk_rows
             k = ids // c
-            entries = table[k]
-            if (
-                (entries[:, 0] < 0).any()
-                or (entries[:, 2] != 0).any()
-                or (entries[:, 1] != c * rb).any()
-            ):
-                return False
-            pos = entries[:, 0] + (ids - k * c) * rb
-            fd = self._raw_fd()
-            rows = out.reshape(ids.size, -1).view(np.uint8)
-            short: list[int] = []
+            if not self._all_raw:
+                entries = table[k]
+                if (entries[:, 0] < 0).any() or (entries[:, 2] != 0).any():
+                    return False
+                if (entries[:, 1] != c * rb).any():
+                    return False
+            pos = table[k, 0] + (ids - k * c) * rb
+            dst[...] = view[pos]  # one fancy index over rows starting at any byte offset
+            return True
 
-            def one(i: int, _slot: int) -> None:
-                if os.preadv(fd, [rows[i].data], int(pos[i])) != rb:
-                    short.append(i)
+    def _row_map(self) -> np.ndarray | tuple[np.ndarray, np.ndarray] | None:
+        """The file's rows as memory-mapped bytes (built once per process), or None.
 
-            index = range(ids.size)
-            for_each_chunk(one, index, index, rb)
-            if short:
-                raise GadgetFileError(
-                    f"{self.path}: short read at row {int(ids[short[0]])} (truncated file?)"
+        Contiguous datasets: an ``(n, row_nbytes)`` uint8 array of the rows. Chunked
+        ones: the chunk index and an ``(size - row_nbytes + 1, row_nbytes)`` view of the
+        whole file whose row ``j`` starts at byte ``j``.
+        """
+        if self._map_pid == os.getpid():
+            return self._map
+        self._map, self._map_pid, self._all_raw = None, os.getpid(), False
+        ds = self._dataset()
+        rb = self.row_nbytes
+        size = os.path.getsize(self.path)
+        try:
+            if not self.chunked:
+                offset = ds.id.get_offset()
+                if offset is None or offset + self.num_rows * rb > size:
+                    return None  # not allocated yet (all fill values), or a short file
+                rows = np.memmap(
+                    self.path,
+                    dtype=np.uint8,
+                    mode="r",
+                    offset=int(offset),
+                    shape=(self.num_rows, rb),
                 )
-        return True
+                for r in {0, self.num_rows - 1}:  # trust the offset only if the bytes agree
+                    want = np.empty((1, *self.shape[1:]), dtype=self._stored)
+                    ds.read_direct(want, np.s_[r : r + 1], np.s_[0:1])
+                    if want.tobytes() != rows[r].tobytes():
+                        return None
+                self._map = rows
+                return self._map
+            table = self._chunk_table(ds)
+            if table is None or size < rb:
+                return None
+            alloc = table[:, 0] >= 0
+            if (table[alloc, 0] + table[alloc, 1] > size).any():
+                return None  # an index pointing past the end: do not map
+            whole = np.memmap(self.path, dtype=np.uint8, mode="r")
+        except (OSError, ValueError):
+            return None
+        view = np.lib.stride_tricks.as_strided(
+            whole, shape=(whole.size - rb + 1, rb), strides=(1, 1), writeable=False
+        )
+        c = self.chunk_rows
+        self._all_raw = bool(
+            alloc.all() and (table[:, 2] == 0).all() and (table[:, 1] == c * rb).all()
+        )
+        self._map = (table, view)
+        return self._map
 
     # ---- reading chunks by file offset (read-only handles) --------------------------------------------
     def _chunk_table(self, ds: Any) -> np.ndarray | None:

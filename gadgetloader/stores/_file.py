@@ -356,30 +356,12 @@ class FileStore(Store):
             self._mm = mapper() if mapper is not None else None
         return self._mm
 
-    def _read_sparse_rows(self, flat: np.ndarray, result: np.ndarray) -> bool:
-        """Sparse requests (about one id per chunk or fewer) on sources that can read single
-        rows by file offset (uncompressed HDF5): read just those rows, bypassing the cache."""
-        reader = getattr(self._source(), "read_rows_at", None)
-        if reader is None:
-            return False
-        order = np.argsort(flat, kind="stable")
-        ids = flat[order]
-        chunks = np.unique(ids // self.block_rows).size
-        if chunks * 4 < ids.size:  # dense enough that whole chunks (and the cache) win
-            return False
-        rows = np.empty((ids.size, *self.row_shape), dtype=self._npd)
-        if not reader(ids, rows):
-            return False
-        result[order] = rows
-        self.stats["reads"] += 1
-        return True
-
     def _gather_rows(self, flat: np.ndarray, result: np.ndarray) -> None:
         """``result[i] = table[flat[i]]``, reading each needed block once.
 
-        Files that can be memory-mapped (.npy) are gathered through the map: the OS
-        page cache is then the cache and a row costs one copy, no per-block Python
-        work."""
+        Files whose rows can be memory-mapped (.npy, uncompressed HDF5) are gathered
+        through the map: the OS page cache is then the cache and a row costs one copy,
+        no per-block Python work."""
         mm = self._memmap()
         if mm is not None:
             if mm.dtype == result.dtype:
@@ -388,7 +370,9 @@ class FileStore(Store):
                 result[...] = mm[flat]
             self.stats["reads"] += 1
             return
-        if self._read_sparse_rows(flat, result):
+        gather = getattr(self._source(), "gather_rows", None)
+        if gather is not None and gather(flat, result):  # rows at their file offsets (HDF5)
+            self.stats["reads"] += 1
             return
         b_rows = self.block_rows
         order = np.argsort(flat, kind="stable")
