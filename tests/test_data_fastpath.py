@@ -191,3 +191,40 @@ def test_default_form_list_path_values() -> None:
     assert [len(b[1]) for b in got] == [128] * 7 + [104]
     assert sorted(torch.cat([ids for _, ids in got]).tolist()) == list(range(N))
     assert all(torch.equal(xb, x[ids]) for xb, ids in got)
+
+
+# ---- on a GPU: the ids come from the order's window, on any stream ------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["cuda", "pinned"])
+def test_gpu_batches_slice_the_window(placement: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gadgetloader._device import cupy_available
+
+    if placement == "pinned" and not cupy_available():
+        pytest.skip("pinned needs CuPy")
+    x = torch.randn(N, 16)
+    ds = GadgetDataset(x, torch.arange(N), placement=placement, device="cuda")
+    copies = []
+    real = _dataset._ids_on
+
+    def counting(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+        copies.append(ids.numel())
+        return real(ids, device)
+
+    monkeypatch.setattr(_dataset, "_ids_on", counting)
+    monkeypatch.setattr(_dataset, "_checked_ids", _no_check)
+    side = torch.cuda.Stream()
+    got = []
+    for k, ids in enumerate(GadgetSampler(ds, batch_size=64, seed=2)):
+        stream = side if k % 3 == 1 else torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            xb, back = ds.gather(ids)
+            got.append((xb.clone(), back.clone(), ids))
+    torch.cuda.synchronize()
+    assert copies == [N]  # one upload of the order, no per-batch copy
+    for xb, back, ids in got:
+        assert torch.equal(back.cpu(), ids) and torch.equal(xb.cpu(), x[ids])
+    loader_got = list(gl.GadgetLoader(ds, batch_size=64, seed=2, prefetch=2, coalesce=4))
+    assert len(copies) == 2  # the loader's sampler has its own order: one more upload
+    assert len(loader_got) == len(got) == 16
+    for (xb, back, _), (lx, lback) in zip(got, loader_got, strict=True):
+        assert torch.equal(lback, back) and torch.equal(lx, xb)

@@ -352,16 +352,30 @@ class _OrderWindow:
     exactly their values.
     """
 
-    __slots__ = ("device", "base", "lo", "hi", "ids", "stream", "ready", "streams", "uploads")
+    __slots__ = (
+        "device",
+        "index",
+        "base",
+        "lo",
+        "hi",
+        "ids",
+        "stream",
+        "ready",
+        "others",
+        "uploads",
+    )
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.index: int | None = None  # the CUDA device index (None: no streams to mind)
+        if device.type == "cuda":
+            self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.base: torch.Tensor | None = None  # the order uploaded (kept alive: `is` is safe)
         self.lo = self.hi = 0
         self.ids: torch.Tensor | None = None
-        self.stream: Any = None
+        self.stream = 0  # the stream of the upload, and others that waited for it
+        self.others: list[int] = []
         self.ready: Any = None
-        self.streams: list[Any] = []
         self.uploads = 0
 
     def slice(self, ids: torch.Tensor) -> torch.Tensor | None:
@@ -377,12 +391,13 @@ class _OrderWindow:
         if base is not self.base or off < self.lo or off + n > self.hi:
             self._upload(base, off, n)
         assert self.ids is not None
-        if self.device.type == "cuda":
-            stream = torch.cuda.current_stream(self.device)
-            if stream != self.stream and stream not in self.streams:
+        if self.index is not None:
+            current = _stream_id(self.index)
+            if current != self.stream and current not in self.others:
+                stream = torch.cuda.current_stream(self.device)
                 stream.wait_event(self.ready)
                 self.ids.record_stream(stream)
-                self.streams.append(stream)
+                self.others.append(current)
         return self.ids[off - self.lo : off - self.lo + n]
 
     def _upload(self, base: torch.Tensor, off: int, n: int) -> None:
@@ -390,11 +405,22 @@ class _OrderWindow:
         self.ids = _ids_on(base[off:hi], self.device)
         self.base, self.lo, self.hi = base, off, hi
         self.uploads += 1
-        if self.device.type == "cuda":
-            self.stream = torch.cuda.current_stream(self.device)
+        if self.index is not None:
+            self.stream = _stream_id(self.index)
+            self.others = []
             self.ready = torch.cuda.Event()
-            self.ready.record(self.stream)
-            self.streams = []
+            self.ready.record(torch.cuda.current_stream(self.device))
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream_id(index: int) -> int:
+    """The current CUDA stream of device ``index`` as a number (without building a
+    ``torch.cuda.Stream``: this runs once per batch)."""
+    if _raw_stream is not None:
+        return int(_raw_stream(index))
+    return int(torch.cuda.current_stream(index).cuda_stream)
 
 
 def _checked_ids(indices: Any, num_rows: int) -> torch.Tensor:
