@@ -49,3 +49,10 @@ def test_unknown_strategy_lists_valid_ones() -> None:
         _engine.resolve_strategy("fast", _table(1 << 20), 10)
     with pytest.raises(gl.GadgetValueError):
         _engine.set_hybrid_fraction(1.5)
+
+
+def test_small_tables_fuse_and_huge_ones_go_one_by_one() -> None:
+    small = [_table(64 << 20) for _ in range(6)]
+    assert [(g.start, g.stop) for g in _engine._groups(small)] == [(0, 4), (4, 6)]
+    huge = [_table(1 << 30) for _ in range(3)]  # 3 GB together: translation-bound
+    assert [(g.start, g.stop) for g in _engine._groups(huge)] == [(0, 1), (1, 2), (2, 3)]
