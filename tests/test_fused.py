@@ -126,3 +126,16 @@ def test_unique_scatter_writes_distinct_ids_in_order(placement_: str) -> None:
     ref = src.clone()
     ref[ids.cpu()] = new.cpu()
     assert torch.equal(torch.from_numpy(g.getNumpyVersion()), ref)
+
+
+@pytest.mark.gpu
+@NEEDS_CUPY
+def test_merge_plan_on_gpu_checks_within_one_synchronisation() -> None:
+    ids = torch.randint(0, 5000, (30_000,), device="cuda")
+    plan = plan_rows((ids,), "merge", 5000)
+    ref_u, ref_inv = torch.unique(ids, sorted=True, return_inverse=True)
+    assert plan.distinct and torch.equal(plan.ids, ref_u) and torch.equal(plan.local, ref_inv)
+    with pytest.raises(GadgetIndexError, match="out of range"):
+        plan_rows((torch.tensor([0, 5000], device="cuda"),), "merge", 5000)
+    with pytest.raises(GadgetIndexError, match="negative"):
+        plan_rows((torch.tensor([-3, 2], device="cuda"),), "merge", 5000)

@@ -14,6 +14,7 @@ its own, and the last one written back wins. That mode is kept for old loops.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -59,9 +60,9 @@ def plan_rows(
 ) -> RowPlan:
     """Build the plan for the int64 id tensors ``parts`` (all on one device).
 
-    With ``num_rows`` the ids are range-checked here (on the distinct ids for
-    ``merge``: one synchronisation that the sort needs anyway), so callers can
-    convert ids with ``as_ids(..., check=False)``.
+    With ``num_rows`` the ids are range-checked here (for CUDA ids in ``merge``, within
+    the one synchronisation that ``torch.unique`` needs anyway), so callers can convert
+    ids with ``as_ids(..., check=False)``.
 
     Raises
     ------
@@ -83,14 +84,38 @@ def plan_rows(
             check_range(flat, num_rows)
         local = torch.arange(flat.numel(), device=flat.device)
         return RowPlan(flat, local, shapes)
-    uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-    if num_rows is not None and uniq.numel():
-        # sorted: the two ends suffice, read back in one copy (unique has just synchronised)
-        ends = uniq[:: max(1, uniq.numel() - 1)].tolist()
-        lo, hi = ends[0], ends[-1]
+    if num_rows is None or flat.numel() == 0:
+        uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+    elif not flat.is_cuda:
+        check_range(flat, num_rows)
+        uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+    else:
+        # the range travels to pinned host memory on the stream *before* unique, whose own
+        # synchronisation (it must learn the row count) then covers the copy: one
+        # synchronisation per plan instead of two
+        ends = _ends_buffer()
+        ends.copy_(torch.stack(torch.aminmax(flat)), non_blocking=True)
+        done = torch.cuda.current_stream(flat.device).record_event()
+        uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        done.synchronize()  # already complete: unique synchronised after it
+        lo, hi = ends.tolist()
         if lo < 0 or hi >= num_rows:
             check_range(torch.tensor([lo, hi]), num_rows)  # raises with the usual message
     return RowPlan(uniq, inverse.reshape(-1), shapes, True)
+
+
+class _Ends(threading.local):
+    buf: torch.Tensor | None = None
+
+
+_ends = _Ends()
+
+
+def _ends_buffer() -> torch.Tensor:
+    """A per-thread pinned pair for an id range read back without its own synchronisation."""
+    if _ends.buf is None:
+        _ends.buf = torch.empty(2, dtype=torch.int64, pin_memory=True)
+    return _ends.buf
 
 
 def split_local(plan: RowPlan) -> tuple[torch.Tensor, ...]:
