@@ -4,7 +4,9 @@
   and every case that must fall back to whole-chunk reads;
 * zarr chunk files read and decoded directly (every codec and chunk-key layout that
   reaches that path), and the arrays that must go through zarr;
-* the chunk thread pool's bounded concurrency.
+* the chunk thread pool's bounded concurrency;
+* a pinned store's background page-locking (with a stand-in for CuPy: the real
+  registration runs only on the GPU machine, in tests/test_files.py's pinned cases).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import torch
 import zarr
 
 import gadgetloader as gl
-from gadgetloader._dtypes import SUPPORTED_DTYPES, dtype_name
-from gadgetloader.io import _chunks, open_source
+from gadgetloader._dtypes import SUPPORTED_DTYPES, dtype_name, numpy_dtype
+from gadgetloader.io import _chunks, load_into, open_source
+from gadgetloader.io._base import SourceShape
 
 ROWS, WIDTH = 301, 5
 
@@ -280,3 +283,132 @@ def test_for_each_chunk_raises_what_a_chunk_raised(monkeypatch: pytest.MonkeyPat
 
     with pytest.raises(gl.GadgetFileError, match="chunk 77"):
         _chunks.for_each_chunk(fn, list(range(200)), list(range(200)), 1 << 20)
+
+
+# ---- pinned stores page-lock themselves while a load reads -------------------------------------------
+class _FakeRuntime:
+    """Records cudaHostRegister calls; optionally slow or failing."""
+
+    def __init__(self, delay: float = 0.0, fail: bool = False) -> None:
+        self.delay, self.fail = delay, fail
+        self.registered: list[tuple[int, int, int]] = []
+        self.unregistered: list[int] = []
+        self.devices: list[int] = []
+        self.threads: list[str] = []
+
+    def getDevice(self) -> int:  # noqa: N802 - CUDA's name
+        return 0
+
+    def setDevice(self, d: int) -> None:  # noqa: N802
+        self.devices.append(d)
+
+    def hostRegister(self, ptr: int, size: int, flags: int) -> None:  # noqa: N802
+        self.threads.append(threading.current_thread().name)
+        time.sleep(self.delay)
+        if self.fail:
+            raise RuntimeError("cudaErrorMemoryAllocation")
+        self.registered.append((ptr, size, flags))
+
+    def hostUnregister(self, ptr: int) -> None:  # noqa: N802
+        self.unregistered.append(ptr)
+
+    def deviceSynchronize(self) -> None:  # noqa: N802
+        pass
+
+    def pointerGetAttributes(self, ptr: int) -> Any:  # noqa: N802
+        return type("Attrs", (), {"devicePointer": ptr})()
+
+
+class _FakeCupy:
+    def __init__(self, runtime: _FakeRuntime) -> None:
+        self.cuda = type("Cuda", (), {"runtime": runtime})()
+
+
+def _fake(monkeypatch: pytest.MonkeyPatch, **kw: Any) -> _FakeRuntime:
+    from gadgetloader.stores import _pinned
+
+    rt = _FakeRuntime(**kw)
+    monkeypatch.setattr(_pinned, "get_cupy", lambda what: _FakeCupy(rt))
+    return rt
+
+
+def test_host_buffer_registers_whole_in_the_background(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gadgetloader.stores import HostBuffer
+
+    rt = _fake(monkeypatch, delay=0.2)
+    t0 = time.perf_counter()
+    buf = HostBuffer(1 << 20, background=True)
+    assert time.perf_counter() - t0 < 0.15  # did not wait for the registration
+    assert buf.pending
+    buf.array[:] = 7  # the caller fills it meanwhile
+    buf.wait()
+    assert not buf.pending
+    assert rt.registered == [(buf.host_ptr, 1 << 20, 3)]  # one registration, the whole buffer
+    assert rt.threads == ["gadgetloader-pin"] and rt.devices == [0]
+    assert buf.device_ptr == buf.host_ptr and (buf.array == 7).all()
+    ptr = buf.host_ptr
+    del buf
+    import gc
+
+    gc.collect()
+    assert rt.unregistered == [ptr]  # unregistered when collected
+
+
+def test_host_buffer_registers_at_once_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gadgetloader.stores import HostBuffer
+
+    rt = _fake(monkeypatch)
+    buf = HostBuffer(5000)
+    assert not buf.pending and rt.registered == [(buf.host_ptr, 5000, 3)]
+    assert rt.threads == ["MainThread"]
+
+
+def test_background_registration_failure_is_a_memory_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gadgetloader.stores import HostBuffer
+
+    _fake(monkeypatch, fail=True)
+    buf = HostBuffer(1 << 16, background=True)
+    for _ in range(2):  # and stays one
+        with pytest.raises(MemoryError, match="ulimit -l"):
+            buf.wait()
+    with pytest.raises(MemoryError, match="ulimit -l"):
+        HostBuffer(1 << 16)
+
+
+def test_load_waits_for_a_store_that_is_still_getting_ready(tmp_path: Path) -> None:
+    want = table(torch.float32, rows=1000)
+    path = tmp_path / "t.npy"
+    np.save(path, want)
+    source = open_source(path)
+    assert isinstance(source.shape, SourceShape) and source.shape == want.shape
+
+    class Store:
+        """A host store that is not ready until waited for."""
+
+        def __init__(self) -> None:
+            self.host = torch.zeros(want.shape)
+            self.waited_after: int | None = None
+
+        def host_view(self) -> torch.Tensor:
+            return self.host
+
+        def wait_ready(self) -> None:
+            self.waited_after = int((self.host != 0).any(dim=1).sum())
+
+    store = Store()
+    with source:
+        load_into(source, store, progress=False)  # type: ignore[arg-type]
+    assert np.array_equal(store.host.numpy(), want)
+    assert store.waited_after == 1000  # waited once, after every row was read
+
+
+def test_source_shapes_stay_plain_tuples_elsewhere(tmp_path: Path) -> None:
+    path = tmp_path / "t.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=np.zeros((4, 2), dtype=numpy_dtype(torch.float32)))
+    with open_source(path) as src:
+        assert src.shape == (4, 2) and src.shape[1:] == (2,) and type(src.shape[1:]) is tuple
+    with gl.DataGadget(path, placement="cpu") as g:
+        assert type(g.shape) is tuple

@@ -15,7 +15,22 @@ import torch
 
 from .._dtypes import numpy_dtype
 
-__all__ = ["ArraySink", "ArraySource"]
+__all__ = ["ArraySink", "ArraySource", "SourceShape"]
+
+
+class SourceShape(tuple):  # type: ignore[type-arg]
+    """A source's shape: a plain tuple that also says "a store of this shape is about to
+    be filled from a file, through its host memory".
+
+    A ``pinned`` store created with such a shape (``DataGadget(path, placement='pinned')``
+    builds its store from ``source.shape``) page-locks its memory on a background thread
+    while the rows are read into it, instead of before the first row is read; the load
+    waits for it at the end (:func:`~gadgetloader.io.load_into`).
+    """
+
+    __slots__ = ()
+    #: read by :class:`~gadgetloader.stores.PinnedStore`
+    filled_from_host = True
 
 
 class ArraySource(abc.ABC):
@@ -35,9 +50,17 @@ class ArraySource(abc.ABC):
     supports_writes: ClassVar[bool] = False
 
     path: str
-    shape: tuple[int, ...]
     dtype: torch.dtype
     chunk_rows: int
+    _shape: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @shape.setter
+    def shape(self, value: tuple[int, ...]) -> None:
+        self._shape = SourceShape(int(s) for s in value)
 
     @property
     def num_rows(self) -> int:

@@ -2,14 +2,17 @@
 
 Extra host RAM during a load or save is the staging size (two blocks), never the
 table's size: host-resident stores (``cpu``, ``pinned``) are read straight into
-their own memory; GPU stores go through two reusable pinned buffers, so the disk
+their own memory (a ``pinned`` store made for the load page-locks itself on a
+background thread meanwhile, and the load waits for that at its end); GPU stores go through two reusable pinned buffers, so the disk
 read of one block overlaps the GPU copy of the previous one.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np  # noqa: F401
@@ -74,9 +77,15 @@ def load_into(source: ArraySource, store: Store, *, progress: bool | None = None
     with bar:
         if host is not None:
             full = _numpy_view(host)
-            for start, stop in blocks(source.num_rows, rpb):
-                source.read_into(start, stop, full[start:stop])
-                bar.update((stop - start) * source.row_nbytes)
+            if getattr(source, "concurrent_reads", False):
+                _read_overlapped(source, full, rpb, bar)
+            else:
+                for start, stop in blocks(source.num_rows, rpb):
+                    source.read_into(start, stop, full[start:stop])
+                    bar.update((stop - start) * source.row_nbytes)
+            ready = getattr(store, "wait_ready", None)
+            if ready is not None:  # a pinned store page-locking itself while we read
+                ready()
             return
         shape = (rpb, *source.shape[1:])
         pinned = torch.cuda.is_available()
@@ -95,6 +104,28 @@ def load_into(source: ArraySource, store: Store, *, progress: bool | None = None
                 events[i] = ev
             bar.update((stop - start) * source.row_nbytes)
         store.synchronize()
+
+
+def _read_overlapped(source: ArraySource, full: Any, rpb: int, bar: Any) -> None:
+    """Read blocks two at a time, so the chunk pool never drains between blocks
+    (sources whose ``read_into`` may run in several threads at once: zarr)."""
+    with ThreadPoolExecutor(2, thread_name_prefix="gadgetloader-load") as ex:
+        pending: deque[tuple[Future[None], int]] = deque()
+        for start, stop in blocks(source.num_rows, rpb):
+            if len(pending) == 2:
+                fut, n = pending.popleft()
+                fut.result()
+                bar.update(n)
+            pending.append(
+                (
+                    ex.submit(source.read_into, start, stop, full[start:stop]),
+                    (stop - start) * source.row_nbytes,
+                )
+            )
+        while pending:  # on an error, leaving the executor waits for the other block
+            fut, n = pending.popleft()
+            fut.result()
+            bar.update(n)
 
 
 def save_from(

@@ -126,6 +126,8 @@ class ZarrSource(ArraySource):
     format = "zarr"
     supports_writes = True
     chunked = True
+    #: ``read_into`` may run in several threads at once (each chunk is its own file)
+    concurrent_reads = True
 
     def __init__(
         self, path: str | os.PathLike[str], *, dataset: str | None = None, mode: str = "r"

@@ -17,8 +17,10 @@ never at interpreter exit.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
+import threading
 import weakref
 from typing import Any
 
@@ -92,10 +94,20 @@ class HostBuffer:
         The address GPU kernels use for the first byte.
     """
 
-    def __init__(self, nbytes: int, *, register: bool = True, pages: str = "default") -> None:
+    def __init__(
+        self,
+        nbytes: int,
+        *,
+        register: bool = True,
+        pages: str = "default",
+        background: bool = False,
+    ) -> None:
         self.nbytes = int(nbytes)
         self.pages = pages
         self._finalizer: weakref.finalize | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
         if pages == "cudahost" and register and self.nbytes:
             self._init_cuda_host_alloc()
             return
@@ -105,18 +117,58 @@ class HostBuffer:
         self.device_ptr = self.host_ptr
         if register and self.nbytes:
             cp = get_cupy("the pinned placement")
-            flags = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
-            try:
-                cp.cuda.runtime.hostRegister(self.host_ptr, self.nbytes, flags)
-            except Exception as exc:
-                raise MemoryError(
-                    f"could not page-lock {self.nbytes} bytes of host RAM for a pinned table "
-                    f"({exc}); check `ulimit -l` and free memory, or use placement='cpu'"
-                ) from exc
-            self.device_ptr = _device_pointer(cp, self.host_ptr)
-            fin = weakref.finalize(self, _unregister, self.host_ptr)
-            fin.atexit = False  # the OS reclaims it; CUDA may be gone at exit
-            self._finalizer = fin
+            device = int(cp.cuda.runtime.getDevice())
+            if background:
+                self._thread = threading.Thread(
+                    target=self._register_in_background,
+                    args=(cp, device),
+                    name="gadgetloader-pin",
+                    daemon=True,
+                )
+                self._thread.start()
+            else:
+                self._register(cp)
+
+    def _register(self, cp: Any) -> None:
+        """Page-lock and map the whole buffer with one ``cudaHostRegister`` (one
+        registration: CUDA copies may not span two)."""
+        flags = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
+        try:
+            cp.cuda.runtime.hostRegister(self.host_ptr, self.nbytes, flags)
+        except Exception as exc:
+            raise MemoryError(
+                f"could not page-lock {self.nbytes} bytes of host RAM for a pinned table "
+                f"({exc}); check `ulimit -l` and free memory, or use placement='cpu'"
+            ) from exc
+        fin = weakref.finalize(self, _unregister, self.host_ptr)
+        fin.atexit = False  # the OS reclaims it; CUDA may be gone at exit
+        self._finalizer = fin
+        self.device_ptr = _device_pointer(cp, self.host_ptr)
+
+    def _register_in_background(self, cp: Any, device: int) -> None:
+        # CuPy's hostRegister releases the GIL: the registration (page faults, zeroing,
+        # pinning: ~0.6 s per GB) runs while the caller reads rows into ``array``. Writes
+        # during the registration are safe: pinning keeps the pages' contents.
+        try:
+            cp.cuda.runtime.setDevice(device)
+            self._register(cp)
+        except BaseException as exc:  # raised by wait(), in the caller's thread
+            self._error = exc
+
+    @property
+    def pending(self) -> bool:
+        """Whether a background registration has not been waited for yet."""
+        return self._thread is not None
+
+    def wait(self) -> None:
+        """Wait for a background registration; raise its error (MemoryError) if it failed."""
+        with self._lock:
+            th = self._thread
+            if th is not None:
+                th.join()
+                self._thread = None
+            if self._error is not None:  # every later wait raises it too
+                raise self._error
 
     def _init_cuda_host_alloc(self) -> None:
         """Let the CUDA driver allocate the pinned memory (``cudaHostAlloc``)."""
@@ -159,24 +211,28 @@ class _CudaArray:
         self._owner = owner
 
 
-def _torch_views(
-    buf: HostBuffer, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _host_view(buf: HostBuffer, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     npd = np.dtype(np.int16) if dtype == torch.bfloat16 else numpy_dtype(dtype)
     host = torch.from_numpy(buf.array.view(npd).reshape(shape))
     if dtype == torch.bfloat16:
         host = host.view(torch.bfloat16)
+    return host
+
+
+def _device_view(
+    buf: HostBuffer, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    npd = np.dtype(np.int16) if dtype == torch.bfloat16 else numpy_dtype(dtype)
     typestr = npd.str if npd != np.dtype(np.bool_) else "|b1"
     if buf.nbytes == 0:
-        dev = torch.empty(shape, dtype=dtype, device=device)
-        return host, dev
+        return torch.empty(shape, dtype=dtype, device=device)
     with torch.cuda.device(device):
         dev = torch.as_tensor(_CudaArray(buf.device_ptr, shape, typestr, buf), device=device)
     if dtype == torch.bfloat16:
         dev = dev.view(torch.bfloat16)
     if dev.data_ptr() != buf.device_ptr:
         raise GadgetValueError("torch copied the mapped host buffer instead of viewing it")
-    return host, dev
+    return dev
 
 
 class PinnedStore(Store):
@@ -206,13 +262,46 @@ class PinnedStore(Store):
             if device is not None and device.type == "cuda"
             else torch.device("cuda", torch.cuda.current_device())
         )
-        self._buf: HostBuffer | None = HostBuffer(self.nbytes, pages=pages)
-        self._host, self._dev = _torch_views(self._buf, self.shape, dtype, dev)
+        # a store about to be filled from a file (its shape came from the file's source)
+        # page-locks its memory while the rows are read; see io.load_into
+        background = bool(getattr(shape, "filled_from_host", False)) and pages != "cudahost"
+        self._device = dev
+        self._buf: HostBuffer | None = HostBuffer(self.nbytes, pages=pages, background=background)
+        self._host: torch.Tensor | None = _host_view(self._buf, self.shape, dtype)
+        self._dev: torch.Tensor | None = None
+        if not background:
+            self._finish()
+
+    def _finish(self) -> None:
+        """Wait for the buffer's registration and make the CUDA view (once)."""
+        buf = self._buf
+        if self._dev is not None or buf is None:
+            return
+        try:
+            buf.wait()
+        except BaseException:
+            self._host = None
+            self._buf = None
+            self._closed = True
+            raise
+        self._dev = _device_view(buf, self.shape, self._dtype, self._device)
+
+    def wait_ready(self) -> None:
+        """Wait until GPU kernels may use the table (its page-locking has finished).
+
+        Raises
+        ------
+        MemoryError
+            The memory could not be page-locked (the store is closed).
+        """
+        self._finish()
 
     def host_view(self) -> torch.Tensor | None:
         return self._host
 
     def device_view(self) -> torch.Tensor | None:
+        if self._dev is None and self._buf is not None:
+            self._finish()
         return self._dev
 
     @property
@@ -222,8 +311,12 @@ class PinnedStore(Store):
         return -(-max(self.nbytes, 1) // page) * page
 
     def _release(self) -> None:
+        buf = self._buf
+        if buf is not None and buf.pending:
+            with contextlib.suppress(MemoryError):  # never map/unmap under a running pin
+                buf.wait()
         if self._dev is not None and self._dev.is_cuda:
             torch.cuda.synchronize(self._dev.device)
-        self._host = None  # type: ignore[assignment]
-        self._dev = None  # type: ignore[assignment]
+        self._host = None
+        self._dev = None
         self._buf = None
