@@ -412,3 +412,77 @@ def test_source_shapes_stay_plain_tuples_elsewhere(tmp_path: Path) -> None:
         assert src.shape == (4, 2) and src.shape[1:] == (2,) and type(src.shape[1:]) is tuple
     with gl.DataGadget(path, placement="cpu") as g:
         assert type(g.shape) is tuple
+
+
+def test_populate_keeps_what_another_thread_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mmap
+
+    from gadgetloader.stores import _pinned
+
+    monkeypatch.setattr(_pinned, "_POPULATE_SLICE", 1 << 20)  # many slices, several threads
+    n = 24 << 20
+    mm = mmap.mmap(-1, n)
+    words = np.frombuffer(mm, dtype=np.int64)
+    pattern = np.arange(words.size, dtype=np.int64) * 7 + 1
+
+    def writer() -> None:
+        for o in range(0, words.size, 1 << 16):
+            words[o : o + (1 << 16)] = pattern[o : o + (1 << 16)]
+
+    th = threading.Thread(target=writer)
+    th.start()
+    supported = _pinned.populate(words.ctypes.data, n, threads=4)
+    th.join()
+    assert np.array_equal(words, pattern)
+    if supported:  # Linux 5.14+: every page is resident now
+        fresh = mmap.mmap(-1, 4 << 20)
+        zeros = np.frombuffer(fresh, dtype=np.uint8)
+        assert _pinned.populate(zeros.ctypes.data, zeros.size)
+        assert not zeros.any()
+        del zeros
+        fresh.close()
+
+
+def test_populate_is_skipped_where_the_kernel_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gadgetloader.stores import HostBuffer, _pinned
+
+    calls: list[int] = []
+
+    def failing(ptr: int, size: int, advice: int) -> int:
+        calls.append(advice)
+        return -1  # EINVAL before Linux 5.14
+
+    monkeypatch.setattr(_pinned, "_LIBC", [failing])
+    assert not _pinned.populate(1 << 12, 1 << 30)
+    assert calls == [_pinned._MADV_POPULATE_WRITE]  # one try, then nothing
+    rt = _fake(monkeypatch)
+    buf = HostBuffer(1 << 16)  # registration still happens
+    assert rt.registered == [(buf.host_ptr, 1 << 16, 3)]
+
+
+@pytest.mark.parametrize("case", ["raw", "gzip", "zarr"])
+def test_overlapped_block_loads_are_exact_and_raise_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    from gadgetloader.io import _stream
+
+    monkeypatch.setattr(_stream, "STAGING_BYTES", 16 * WIDTH * 4 * 2)  # two chunks per block
+    want = table(torch.float32, rows=1001)
+    path = tmp_path / ("t.zarr" if case == "zarr" else "t.h5")
+    with gl.DataGadget(torch.from_numpy(want), placement="cpu") as g:
+        opts = {"compression": "gzip"} if case == "gzip" else {}
+        g.save(path, chunk_rows=16, progress=False, **opts)
+    with open_source(path) as source:
+        assert source.concurrent_reads  # type: ignore[attr-defined]
+    with gl.DataGadget(path, placement="cpu") as g:
+        assert np.array_equal(g.getNumpyVersion(), want)
+    real = type(open_source(path)).read_into
+
+    def flaky(self: Any, start: int, stop: int, out: np.ndarray) -> None:
+        if start <= 500 < stop:
+            raise gl.GadgetFileError("disk gone at row 500")
+        real(self, start, stop, out)
+
+    monkeypatch.setattr(type(open_source(path)), "read_into", flaky)
+    with pytest.raises(gl.GadgetFileError, match="row 500"):
+        gl.DataGadget(path, placement="cpu")

@@ -319,26 +319,36 @@ class Hdf5Source(ArraySource):
         self._lock_pid = os.getpid()
 
     # ---- rows -----------------------------------------------------------------------------
+    @property
+    def concurrent_reads(self) -> bool:
+        """Whether ``read_into`` may run in several threads at once: read-only handles on
+        chunks read by file offset (the h5py calls left are serialised here)."""
+        return self._mode == "r" and self._direct is not None
+
     def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
         out = as_bits(out, self.dtype)
         with self._guard():
             ds = self._dataset()
             if stop <= start:
                 return
-            c = self.chunk_rows
-            if self._direct is not None and self._chunk_table(ds) is not None:
-                # whole chunks on the thread pool; partial ones at either end here
-                first, last = -(-start // c), stop // c  # chunks [first, last) lie inside
-                if stop == self.num_rows:
-                    last = -(-stop // c)
-                if last > first:
-                    if start < first * c:
+            table = self._chunk_table(ds) if self._direct is not None else None
+        c = self.chunk_rows
+        if table is not None:
+            # whole chunks on the thread pool; partial ones at either end here
+            first, last = -(-start // c), stop // c  # chunks [first, last) lie inside
+            if stop == self.num_rows:
+                last = -(-stop // c)
+            if last > first:
+                if start < first * c:
+                    with self._guard():
                         self._read_chunks(ds, start, first * c, out[: first * c - start])
-                    ks = list(range(first, last))
-                    self.read_chunks(ks, out[first * c - start :], [k - first for k in ks])
-                    if last * c < stop:
+                ks = list(range(first, last))
+                self.read_chunks(ks, out[first * c - start :], [k - first for k in ks])
+                if last * c < stop:
+                    with self._guard():
                         self._read_chunks(ds, last * c, stop, out[last * c - start :])
-                    return
+                return
+        with self._guard():
             if self._direct is not None:
                 self._read_chunks(ds, start, stop, out)
             else:
@@ -410,20 +420,23 @@ class Hdf5Source(ArraySource):
                 return
             fd = self._raw_fd()
 
-            def one(k: int, s: int) -> None:
-                lo, hi = k * c, min((k + 1) * c, self.num_rows)
-                dst = out[s * c : s * c + hi - lo]
-                ok = False
-                if hi - lo == c:
-                    flat = dst.reshape(-1).view(np.uint8)
-                    try:
-                        ok = self._read_raw_chunk(fd, table, k, flat)
-                    except (OSError, ValueError, zlib.error):
-                        ok = False
-                if not ok:
+        def one(k: int, s: int) -> None:
+            lo, hi = k * c, min((k + 1) * c, self.num_rows)
+            dst = out[s * c : s * c + hi - lo]
+            ok = False
+            if hi - lo == c:
+                flat = dst.reshape(-1).view(np.uint8)
+                try:
+                    ok = self._read_raw_chunk(fd, table, k, flat)
+                except (OSError, ValueError, zlib.error):
+                    ok = False
+            if not ok:
+                with self._guard():
                     self._read_hyperslab(ds, lo, hi, dst)
 
-            for_each_chunk(one, chunks, slots, c * self.row_nbytes)
+        # outside the guard: preadv and zlib release the GIL, and another read_into
+        # (the next block of a load) may run meanwhile
+        for_each_chunk(one, chunks, slots, c * self.row_nbytes)
 
     def gather_rows(self, ids: np.ndarray, out: np.ndarray) -> bool:
         """``out[i] = rows[ids[i]]`` (int64 ids in range, any order, repeats allowed), read

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -94,6 +95,36 @@ def _numcodecs_decoder(codec: Any) -> Any | None:
     if name == "blosc":
         return numcodecs.Blosc()
     return None
+
+
+#: per-thread scratch for compressed chunk bytes (reused: no allocation per chunk)
+_SCRATCH = threading.local()
+#: larger chunks get a fresh buffer each time instead of a kept one
+_SCRATCH_MAX = 16 << 20
+
+
+def _read_compressed(fd: int, cap: int) -> Any:
+    """A chunk file's bytes: read into this thread's scratch buffer when they fit.
+
+    Reusing one buffer per thread keeps the allocator out of the loop: a fresh
+    megabyte per chunk makes glibc grow and trim its heaps (``mprotect`` / ``munmap``),
+    and each of those waits for the process's memory-map lock -- held for seconds while
+    a pinned store is being page-locked during a load.
+    """
+    kept: bytearray | None = getattr(_SCRATCH, "buf", None)
+    if cap > _SCRATCH_MAX:
+        buf = bytearray(cap)
+    elif kept is None or len(kept) < cap:
+        buf = _SCRATCH.buf = bytearray(cap)
+    else:
+        buf = kept
+    n = os.readv(fd, [buf])
+    if n < len(buf):
+        return memoryview(buf)[:n]
+    parts = [bytes(buf)]  # more than expected (an incompressible chunk): read the rest
+    while more := os.read(fd, 1 << 20):
+        parts.append(more)
+    return b"".join(parts)
 
 
 class ZarrSource(ArraySource):
@@ -331,12 +362,7 @@ class ZarrSource(ArraySource):
             raise GadgetFileError(f"{self.path}: cannot read chunk {k} ({exc})") from exc
         try:
             if self._decoders:
-                raw = os.read(fd, flat.nbytes + _SLACK)
-                while len(raw) >= flat.nbytes + _SLACK:  # a chunk that did not compress
-                    more = os.read(fd, 1 << 20)
-                    if not more:
-                        break
-                    raw += more
+                raw = _read_compressed(fd, flat.nbytes + flat.nbytes // 64 + _SLACK)
             else:  # stored raw: read straight into place
                 got = os.readv(fd, [flat.data])
                 if got != flat.nbytes:
@@ -357,7 +383,7 @@ class ZarrSource(ArraySource):
         if not whole:
             dst[...] = buf[lo - c0 : hi - c0]
 
-    def _decode(self, raw: bytes, dst: np.ndarray) -> None:
+    def _decode(self, raw: Any, dst: np.ndarray) -> None:
         flat = dst.reshape(-1).view(np.uint8)
         data: Any = raw
         decoders = self._decoders or []
