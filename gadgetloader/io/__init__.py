@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ._atomic import replace_atomically, temp_path_beside
-from ._base import ArraySink, ArraySource
+from ._base import ArraySink, ArraySource, SourceShape
 from ._hdf5 import Hdf5Sink, Hdf5Source, is_hdf5
 from ._npy import NpySink, NpySource, is_npy
 from ._open import FORMATS, guess_format, open_sink, open_source, register_format
@@ -22,6 +22,7 @@ __all__ = [
     "Hdf5Source",
     "NpySink",
     "NpySource",
+    "SourceShape",
     "ZarrSink",
     "ZarrSource",
     "is_hdf5",

@@ -13,6 +13,13 @@ rounding (torch's pinned allocator rounds to powers of two) and no pool; neither
 CuPy's nor torch's global allocator is touched. The registration is undone when
 the store is closed or garbage-collected (after any views handed out are gone),
 never at interpreter exit.
+
+Registering is mostly page faulting, so the pages are first prefaulted on several
+threads (:func:`populate`), then registered with one call (CUDA copies may not span
+two registrations). A store about to be filled from a file (made with a
+:class:`~gadgetloader.io.SourceShape`, as ``DataGadget(path, placement='pinned')``
+does) does both on a background thread while the rows are read; its CUDA view,
+and so every GPU use, waits for that (:meth:`PinnedStore.wait_ready`).
 """
 
 from __future__ import annotations
