@@ -33,6 +33,7 @@ def test_pipeline_bench_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     report = _pipeline.run(args)
     out = capsys.readouterr().out
     assert "pipeline benchmark" in out and "(c) DataLoader + GadgetSampler" in out
+    assert "us/batch" in out
     methods = {(r["source"], r["method"]) for r in report["results"]}
     assert ("npy mmap", "(a) torch per-sample DataLoader") in methods
     memory = [r for r in report["results"] if r["source"].startswith("memory")]
@@ -40,6 +41,8 @@ def test_pipeline_bench_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     for r in report["results"]:
         assert r["check"] == "ok", r
         assert r["rows_per_s"] > 0 and r["GBps"] > 0
+        # one run's per-batch time and its rate agree (full batches of 256 rows)
+        assert r["us_per_batch"] == pytest.approx(256 / r["rows_per_s"] * 1e6, rel=0.5)
     summary = report["summary"]
     assert summary["best_torch_workers"] == 0
     assert summary["memory_fast_x_torch"] > 1  # one gather per batch beats per-sample Python

@@ -4,6 +4,7 @@ per-batch id copy; lists from torch's BatchSampler take a one-pass conversion.""
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -228,3 +229,18 @@ def test_gpu_batches_slice_the_window(placement: str, monkeypatch: pytest.Monkey
     assert len(loader_got) == len(got) == 16
     for (xb, back, _), (lx, lback) in zip(got, loader_got, strict=True):
         assert torch.equal(lback, back) and torch.equal(lx, xb)
+
+
+def test_plan_follows_replaced_and_closed_stores(tmp_path: Path) -> None:
+    g = gl.DataGadget(np.zeros((N, 2), np.float32), placement="cpu", device="cpu")
+    ds = GadgetDataset(g, device="cpu")
+    s = GadgetSampler(ds, batch_size=100, seed=0)
+    ids = next(iter(s))
+    assert ds.gather(ids)[0].abs().sum() == 0  # the plan is made here
+    path = tmp_path / "ones.npy"
+    np.save(path, np.ones((N, 2), np.float32))
+    g.load(path)  # replaces the gadget's store
+    assert torch.equal(ds.gather(ids)[0], torch.ones(100, 2))
+    g.close()
+    with pytest.raises(gl.GadgetClosedError):
+        ds.gather(ids)

@@ -144,24 +144,28 @@ def _time_method(
     batches: int,
     seconds: float,
     repeats: int,
-) -> float:
-    """Median rows per second over ``repeats`` runs of up to ``batches`` batches."""
+) -> tuple[float, float]:
+    """Median rows per second and median microseconds per batch over ``repeats`` runs
+    of up to ``batches`` batches (the clock stops after a device synchronisation)."""
     stream = _endless(make_iter)
     for _ in range(2):  # warm-up: worker start, first epoch order, allocator
         move(next(stream))
     _sync()
-    rates = []
+    rates, per_batch = [], []
     for _ in range(repeats):
-        rows = 0
+        rows = done = 0
         t0 = time.perf_counter()
         for _ in range(batches):
             out = move(next(stream))
             rows += out.shape[0]
+            done += 1
             if time.perf_counter() - t0 > seconds:
                 break
         _sync()
-        rates.append(rows / (time.perf_counter() - t0))
-    return statistics.median(rates)
+        elapsed = time.perf_counter() - t0
+        rates.append(rows / elapsed)
+        per_batch.append(elapsed / done * 1e6)
+    return statistics.median(rates), statistics.median(per_batch)
 
 
 # ---- the benchmark -----------------------------------------------------------------------------
@@ -206,8 +210,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 _sync()
                 entry["check"] = "ok" if _check_batch(first, ref, B) else "MISMATCH"
                 if entry["check"] == "ok":
-                    rate = _time_method(make_iter, move, **timing)  # type: ignore[arg-type]
+                    rate, us = _time_method(make_iter, move, **timing)  # type: ignore[arg-type]
                     entry["rows_per_s"] = rate
+                    entry["us_per_batch"] = us
                     entry["GBps"] = rate * row_bytes / 1e9
                     entry["of_limit"] = entry["GBps"] / limit if limit else None
             except Exception as exc:  # report, keep benchmarking the others
@@ -336,13 +341,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "summary": summary,
         "skipped": skipped,
     }
-    headers = ["source", "method", "workers", "rows/s", "GB/s", "of limit", "x torch", "check"]
+    headers = [
+        "source",
+        "method",
+        "workers",
+        "rows/s",
+        "us/batch",
+        "GB/s",
+        "of limit",
+        "x torch",
+        "check",
+    ]
     table = [
         [
             r["source"],
             r["method"],
             r.get("workers"),
             r.get("rows_per_s"),
+            r.get("us_per_batch"),
             r.get("GBps"),
             r.get("of_limit"),
             r.get("x_torch"),

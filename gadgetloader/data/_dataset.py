@@ -162,6 +162,7 @@ class GadgetDataset(Dataset[Any]):
             raise GadgetValueError("the dataset is empty: its columns have 0 rows")
         self._num_rows = sizes[0]
         self._windows: dict[torch.device, _OrderWindow] = {}
+        self._plan: tuple[torch.device, list[_Step]] | None = None
 
     def _as_gadget(
         self, col: Any, i: int, placement: str | None, options: dict[str, Any]
@@ -249,13 +250,31 @@ class GadgetDataset(Dataset[Any]):
         (a view of its epoch order on the CPU), which CUDA columns take from the order's
         window on the GPU instead of a per-batch copy."""
         target = _CPU if _worker_info() is not None else self._device
+        plan = self._plan
+        if plan is None or plan[0] is not target or not _plan_valid(plan[1]):
+            plan = self._make_plan(target)
         first_ids: torch.Tensor | None = None
-        first_where: torch.device | None = None
+        first_win: _OrderWindow | None = None
         out = []
+        for g, store, win in plan[1]:
+            if win is None:  # the store takes CPU ids
+                dev_ids = ids.cpu() if ids.is_cuda else ids
+            elif win is first_win and first_ids is not None:
+                dev_ids = first_ids  # another column on the same device
+            else:
+                sliced = win.slice(ids) if own else None
+                dev_ids = sliced if sliced is not None else _ids_on(ids, win.device)
+                first_ids, first_win = dev_ids, win
+            out.append(store.gather(dev_ids, target, strategy=g._strategy))
+        return GadgetBatch(out)
+
+    def _make_plan(self, target: torch.device) -> tuple[torch.device, list[_Step]]:
+        """Per column: its store and, where the store takes ids on a GPU, that device's
+        order window (None: CPU ids). Checked once, reused while every store stays."""
+        steps: list[_Step] = []
         for i, g in enumerate(self._columns):
             store = g.store
-            if store.closed:
-                store.check_open()  # raises
+            store.check_open()
             if (
                 target.type == "cpu"
                 and store.host_view() is None
@@ -267,16 +286,9 @@ class GadgetDataset(Dataset[Any]):
                     "or a 'pinned' / 'cpu' column"
                 )
             where = store.ids_device(target)
-            if where.type == "cpu":
-                dev_ids = ids if ids.device.type == "cpu" else ids.cpu()
-            elif where == first_where and first_ids is not None:
-                dev_ids = first_ids
-            else:
-                sliced = self._window(where).slice(ids) if own else None
-                dev_ids = sliced if sliced is not None else _ids_on(ids, where)
-                first_ids, first_where = dev_ids, where
-            out.append(store.gather(dev_ids, target, strategy=g._strategy))
-        return GadgetBatch(out)
+            steps.append((g, store, None if where.type == "cpu" else self._window(where)))
+        self._plan = (target, steps)
+        return self._plan
 
     def _window(self, device: torch.device) -> _OrderWindow:
         win = self._windows.get(device)
@@ -323,6 +335,7 @@ class GadgetDataset(Dataset[Any]):
         # GPU copies of sampler orders stay behind (a spawned worker must not touch CUDA)
         state = self.__dict__.copy()
         state["_windows"] = {}
+        state["_plan"] = None
         return state
 
     def __enter__(self) -> GadgetDataset:
@@ -333,6 +346,15 @@ class GadgetDataset(Dataset[Any]):
 
 
 _CPU = torch.device("cpu")
+
+#: one column's part of a gather: (gadget, its store, the ids' GPU window or None for CPU ids)
+_Step = tuple[DataGadget, Any, "_OrderWindow | None"]
+
+
+def _plan_valid(steps: list[_Step]) -> bool:
+    """Every column still has the store the plan was made for, open."""
+    return all(g._store is store and not store.closed for g, store, _ in steps)
+
 
 #: ids per upload of a sampler's epoch order to the GPU (2 MiB of int64; 64 batches of 4096)
 WINDOW_IDS = 1 << 18
