@@ -486,3 +486,19 @@ def test_overlapped_block_loads_are_exact_and_raise_errors(
     monkeypatch.setattr(type(open_source(path)), "read_into", flaky)
     with pytest.raises(gl.GadgetFileError, match="row 500"):
         gl.DataGadget(path, placement="cpu")
+
+
+def test_chunk_reads_leave_no_descriptor_open(tmp_path: Path) -> None:
+    import os
+
+    want = table(torch.float32, rows=500)
+    path = tmp_path / "t.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("emb", data=want, chunks=(16, WIDTH), compression="gzip")
+    with gl.DataGadget(path, placement="file", device="cpu", cache_bytes=0) as g:
+        got(g, np.arange(0, 500, 7))
+        before = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+        for _ in range(20):
+            assert np.array_equal(got(g, np.arange(0, 500, 3)), want[::3])
+        if before:
+            assert len(os.listdir("/proc/self/fd")) == before

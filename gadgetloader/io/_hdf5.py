@@ -418,7 +418,9 @@ class Hdf5Source(ArraySource):
                     if hi > lo:
                         self.read_into(lo, hi, out[s * c : s * c + hi - lo])
                 return
-            fd = self._raw_fd()
+            # a private descriptor: close() (e.g. before a fork) may run while the pool
+            # reads, and a reused descriptor number must never be read by mistake
+            fd = os.dup(self._raw_fd())
 
         def one(k: int, s: int) -> None:
             lo, hi = k * c, min((k + 1) * c, self.num_rows)
@@ -436,7 +438,10 @@ class Hdf5Source(ArraySource):
 
         # outside the guard: preadv and zlib release the GIL, and another read_into
         # (the next block of a load) may run meanwhile
-        for_each_chunk(one, chunks, slots, c * self.row_nbytes)
+        try:
+            for_each_chunk(one, chunks, slots, c * self.row_nbytes)
+        finally:
+            os.close(fd)
 
     def gather_rows(self, ids: np.ndarray, out: np.ndarray) -> bool:
         """``out[i] = rows[ids[i]]`` (int64 ids in range, any order, repeats allowed), read
