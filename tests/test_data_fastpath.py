@@ -131,6 +131,29 @@ def test_order_window_uploads_once_per_window(monkeypatch: pytest.MonkeyPatch) -
     assert win.uploads == 11
 
 
+def test_order_window_shared_by_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    monkeypatch.setattr(_dataset, "WINDOW_IDS", 64)  # many uploads, many chances to race
+    win = _dataset._OrderWindow(torch.device("cpu"))
+    bad: list[int] = []
+
+    def run(seed: int) -> None:
+        s = GadgetSampler(N, batch_size=50, seed=seed)
+        for _ in range(30):
+            for b in s:
+                got = win.slice(b)
+                if got is None or not torch.equal(got, b):
+                    bad.append(seed)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert bad == [] and win.uploads >= 3 * 30 * 10
+
+
 def test_dataset_pickles_without_gpu_windows() -> None:
     ds = GadgetDataset(torch.randn(10, 2), placement="cpu", device="cpu")
     ds._window(torch.device("cpu"))

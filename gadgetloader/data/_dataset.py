@@ -14,7 +14,7 @@ from __future__ import annotations
 import array
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -374,31 +374,26 @@ class _OrderWindow:
     exactly their values.
     """
 
-    __slots__ = (
-        "device",
-        "index",
-        "base",
-        "lo",
-        "hi",
-        "ids",
-        "stream",
-        "ready",
-        "others",
-        "uploads",
-    )
+    __slots__ = ("device", "index", "current", "uploads")
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.index: int | None = None  # the CUDA device index (None: no streams to mind)
         if device.type == "cuda":
             self.index = device.index if device.index is not None else torch.cuda.current_device()
-        self.base: torch.Tensor | None = None  # the order uploaded (kept alive: `is` is safe)
-        self.lo = self.hi = 0
-        self.ids: torch.Tensor | None = None
-        self.stream = 0  # the stream of the upload, and others that waited for it
-        self.others: list[int] = []
-        self.ready: Any = None
+        # the upload in use, replaced whole (threads sharing a dataset see one consistent
+        # upload): the order (kept alive, so `is` is safe), its positions [lo, hi), the ids
+        # on the device, the upload's stream, its event, streams that waited for it
+        self.current: _Upload | None = None
         self.uploads = 0
+
+    @property
+    def lo(self) -> int:
+        return self.current.lo if self.current is not None else 0
+
+    @property
+    def base(self) -> torch.Tensor | None:
+        return self.current.base if self.current is not None else None
 
     def slice(self, ids: torch.Tensor) -> torch.Tensor | None:
         """``ids`` on the device as a slice of the window (uploading the window that
@@ -410,28 +405,40 @@ class _OrderWindow:
         if n > 1 and ids.stride(0) != 1:
             return None
         off = int(ids.storage_offset() - base.storage_offset())
-        if base is not self.base or off < self.lo or off + n > self.hi:
-            self._upload(base, off, n)
-        assert self.ids is not None
+        up = self.current
+        if up is None or base is not up.base or off < up.lo or off + n > up.hi:
+            up = self._upload(base, off, n)
         if self.index is not None:
             current = _stream_id(self.index)
-            if current != self.stream and current not in self.others:
+            if current != up.stream and current not in up.others:
                 stream = torch.cuda.current_stream(self.device)
-                stream.wait_event(self.ready)
-                self.ids.record_stream(stream)
-                self.others.append(current)
-        return self.ids[off - self.lo : off - self.lo + n]
+                stream.wait_event(up.ready)
+                up.ids.record_stream(stream)
+                up.others.append(current)
+        return up.ids[off - up.lo : off - up.lo + n]
 
-    def _upload(self, base: torch.Tensor, off: int, n: int) -> None:
+    def _upload(self, base: torch.Tensor, off: int, n: int) -> _Upload:
         hi = min(base.numel(), off + max(n, WINDOW_IDS))
-        self.ids = _ids_on(base[off:hi], self.device)
-        self.base, self.lo, self.hi = base, off, hi
-        self.uploads += 1
+        dev_ids = _ids_on(base[off:hi], self.device)
+        stream, ready = 0, None
         if self.index is not None:
-            self.stream = _stream_id(self.index)
-            self.others = []
-            self.ready = torch.cuda.Event()
-            self.ready.record(torch.cuda.current_stream(self.device))
+            stream = _stream_id(self.index)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        up = _Upload(base, off, hi, dev_ids, stream, ready, [])
+        self.current = up
+        self.uploads += 1
+        return up
+
+
+class _Upload(NamedTuple):
+    base: torch.Tensor
+    lo: int
+    hi: int
+    ids: torch.Tensor
+    stream: int
+    ready: Any
+    others: list[int]
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
