@@ -10,7 +10,7 @@ from torch import nn
 import gadgetloader as gl
 
 
-@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("kind", ["numpy", "torch", "torch_from_numpy", "optimizer_only"])
 def test_in_place_modified_ids_get_a_new_plan(
     placement: str, device: torch.device, kind: str
 ) -> None:
@@ -22,11 +22,21 @@ def test_in_place_modified_ids_get_a_new_plan(
     sw.zerosInit()
     osw = gl.OptimizerFactory(opt, 10, 2, m, "u", placement=placement)
     osw.optInit()
-    ids = np.array([1, 2]) if kind == "numpy" else torch.tensor([1, 2], device=device)
+    buf = np.array([1, 2])
+    if kind == "numpy":
+        ids: object = buf
+    elif kind in ("torch_from_numpy", "optimizer_only"):
+        ids = torch.from_numpy(buf)  # refilled through NumPy: torch's version counter stays
+    else:
+        ids = torch.tensor([1, 2], device=device)
 
     def step() -> None:
-        local = sw.beforeForwardPass(ids)
-        osw.beforeForwardPass(ids)
+        if kind == "optimizer_only":  # the optimizer switch asks first this time
+            osw.beforeForwardPass(ids)
+            local = sw.beforeForwardPass(ids)
+        else:
+            local = sw.beforeForwardPass(ids)
+            osw.beforeForwardPass(ids)
         opt.zero_grad()
         m.u(local).sum().backward()
         opt.step()
@@ -34,10 +44,11 @@ def test_in_place_modified_ids_get_a_new_plan(
         osw.afterOptimizerStep(ids)
 
     step()
-    if kind == "numpy":
-        ids[:] = [5, 6]
-    else:
+    if kind == "torch":
+        assert isinstance(ids, torch.Tensor)
         ids.copy_(torch.tensor([5, 6]))
+    else:
+        buf[:] = [5, 6]
     step()
     table = sw.getNumpyVersion()
     moved = sorted(np.nonzero(table.any(axis=1))[0].tolist())

@@ -243,6 +243,7 @@ class ModelSwitch:
             The local ids to feed the model in place of the global ids (same shapes),
             on the variable's device; a pair when negatives are given.
         """
+        self._cache.clear()  # a step starts from the ids as they are now
         plan = self.plan(retrievedPosIndexes, retrievedNegIndexes)
         store = self.table.store
         dev = self.device

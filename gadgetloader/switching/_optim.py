@@ -476,8 +476,10 @@ class OptimizerSwitch:
         from ._model import switch_for
 
         pager = self._need_pager()
-        plan = self._plan(retrievedPosIndexes, retrievedNegIndexes)
         sw = switch_for(self.param)
+        if sw is None:
+            self._own_cache.clear()  # a step starts from the ids as they are now
+        plan = self._plan(retrievedPosIndexes, retrievedNegIndexes)
         pager.load(plan, sw.capacity_for(plan) if sw is not None else int(plan.local.numel()))
 
     def afterOptimizerStep(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:

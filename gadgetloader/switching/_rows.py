@@ -134,13 +134,20 @@ def split_local(plan: RowPlan) -> tuple[torch.Tensor, ...]:
 def _fingerprint(x: Any) -> Any:
     """What must be unchanged for a cached plan of ``x`` to stay valid (None: never cache).
 
-    A torch tensor is identified by itself and its in-place version counter, a NumPy
-    array by itself and a copy of its values (an in-place update of a reused id buffer
-    must not reuse the old plan).
+    A CUDA tensor is identified by itself and its in-place version counter; a CPU tensor
+    or NumPy array also by a copy of its values, because a buffer refilled through NumPy
+    (``torch.from_numpy(buf)``, then ``buf[:] = ...``) changes without moving torch's
+    version counter, and an in-place update of a reused id buffer must never reuse the
+    old plan.
     """
     if x is None:
         return ()
     if isinstance(x, torch.Tensor):
+        if x.device.type == "cpu":
+            try:
+                return x.detach().numpy().copy()
+            except (TypeError, RuntimeError):  # sparse, bfloat16...: never cached
+                return None
         return (x._version, x.data_ptr(), tuple(x.shape))
     if isinstance(x, np.ndarray):
         return x.copy()
@@ -164,7 +171,9 @@ class PlanCache:
     A step asks for the same ids up to four times (model and optimizer switchers,
     before and after the step); the cache avoids recomputing the plan (a sort and a
     synchronisation) each time, and is invalidated when the id objects change or are
-    modified in place.
+    modified in place. :meth:`ModelSwitch.beforeForwardPass` starts every step with a
+    fresh plan, so a CUDA id buffer refilled outside torch (e.g. through CuPy) between
+    steps is seen too.
     """
 
     def __init__(self) -> None:
