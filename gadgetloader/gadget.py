@@ -491,20 +491,20 @@ class DataGadget:
         previous file at ``path`` intact."""
         self._store.check_open()
         self._store.synchronize()
+        backing = getattr(self._store, "path", None) if self.placement == "file" else None
+        over_itself = backing is not None and os.path.realpath(backing) == os.path.realpath(path)
+        if over_itself and dataset is None:
+            # saving over the file this table reads: keep the dataset's name (an HDF5 file or
+            # zarr group would otherwise get the format's default name)
+            dataset = getattr(self._store, "dataset", None)
         kwargs = dict(options)
         if dataset is not None:
             kwargs["dataset"] = dataset
         sink = _io.open_sink(path, self.shape, self.dtype, format=format, **kwargs)
         _io.save_from(self._store, sink, progress=progress, desc=f"save {os.fspath(path)}")
-        backing = getattr(self._store, "path", None) if self.placement == "file" else None
-        if backing is not None and os.path.realpath(backing) == os.path.realpath(path):
+        if over_itself:
             # the file this table reads from was just replaced: read the new one from now on
-            self.load(
-                path,
-                dataset=dataset or getattr(self._store, "dataset", None),
-                format=format,
-                progress=False,
-            )
+            self.load(path, dataset=dataset, format=format, progress=False)
 
     def saveCupy(self, saveFileName: str | os.PathLike[str]) -> None:
         """Save as .npy (SpeedTorch's name); atomic and streamed like :meth:`save`."""

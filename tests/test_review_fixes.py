@@ -16,6 +16,31 @@ def _a() -> np.ndarray:
     return np.arange(24, dtype=np.float32).reshape(8, 3)
 
 
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_saving_over_its_own_hdf5_or_zarr_group_keeps_the_dataset_name(
+    tmp_path: Path, fmt: str
+) -> None:
+    a = _a()
+    path = tmp_path / f"t.{fmt}"
+    if fmt == "h5":
+        h5py = pytest.importorskip("h5py")
+        with h5py.File(path, "w") as f:
+            f["emb"] = a
+        g = gl.DataGadget(str(path), placement="file", device="cpu")  # the dataset is found
+    else:
+        zarr = pytest.importorskip("zarr")
+        zarr.open_group(str(path), mode="w").create_array("emb", data=a, chunks=(4, 3))
+        g = gl.DataGadget(str(path), dataset="emb", placement="file", device="cpu")
+    g.getData([1])
+    g.save(str(path))  # no dataset=: the name it was read under is kept
+    np.testing.assert_array_equal(g.getData([3]).numpy(), a[[3]])
+    g.insertData(np.full((1, 3), 7, np.float32), [0])
+    again = gl.DataGadget(str(path), dataset="emb", placement="cpu")
+    expected = a.copy()
+    expected[0] = 7
+    np.testing.assert_array_equal(again.getNumpyVersion(), expected)
+
+
 def test_saving_a_file_table_over_its_own_file_keeps_reads_current(tmp_path: Path) -> None:
     p = tmp_path / "a.npy"
     np.save(p, _a())
