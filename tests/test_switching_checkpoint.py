@@ -187,3 +187,44 @@ def test_bfloat16_checkpoint_needs_hdf5_or_zarr(tmp_path) -> None:
     m["e"].table.zero_()
     gl.load_checkpoint(tmp_path / "z", {"model": m})
     assert (m["e"].table.getNumpyVersion() == before).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_save_killed_part_way_leaves_the_previous_checkpoint_whole(
+    tmp_path, device, fmt, monkeypatch
+):
+    import os
+
+    first, second = _batches(device, 1, 3), _batches(device, 2, 3)
+    a = Model("cpu", device, 0)
+    opt_a = gl.OffloadedOptimizer(torch.optim.Adam, a, lr=0.05)
+    _train(a, opt_a, first)
+    gl.save_checkpoint(tmp_path / "ck", {"model": a, "optimizer": opt_a}, format=fmt)
+    saved = _tables(a, opt_a)
+    files_before = sorted(os.listdir(tmp_path / "ck"))
+    _train(a, opt_a, second)
+
+    calls = {"n": 0}
+    real_save = gl.DataGadget.save
+
+    def dying_save(self, *args, **kwargs):  # the second table file never completes
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("killed")
+        return real_save(self, *args, **kwargs)
+
+    monkeypatch.setattr(gl.DataGadget, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        gl.save_checkpoint(tmp_path / "ck", {"model": a, "optimizer": opt_a}, format=fmt)
+    monkeypatch.setattr(gl.DataGadget, "save", real_save)
+
+    b = Model("cpu", device, 99)
+    opt_b = gl.OffloadedOptimizer(torch.optim.Adam, b, lr=0.05)
+    gl.load_checkpoint(tmp_path / "ck", {"model": b, "optimizer": opt_b})
+    for x, y in zip(saved, _tables(b, opt_b), strict=True):
+        assert torch.equal(x, y)  # the first checkpoint, not a mix with the second
+
+    # a completed overwrite removes the previous checkpoint's table files
+    gl.save_checkpoint(tmp_path / "ck", {"model": a, "optimizer": opt_a}, format=fmt)
+    left = set(os.listdir(tmp_path / "ck"))
+    assert len(left) == len(files_before), (files_before, left)

@@ -5,13 +5,17 @@ written with :meth:`DataGadget.save` (streamed block by block, atomically, in th
 format the extension names: ``.npy``, or HDF5 / zarr where those formats are
 installed). Everything small -- step counts and other scalar state, ordinary
 parameters, optimizer hyper-parameters -- goes into one ``meta.pt`` written last,
-so a directory with a ``meta.pt`` is complete. Loading writes the same bytes back,
+so a directory with a ``meta.pt`` is complete; table files get names of their own per
+save, so overwriting a checkpoint never mixes two of them. Loading writes the same bytes back,
 so training resumes bit-identically.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -97,7 +101,9 @@ def save_checkpoint(
     Notes
     -----
     Tables are streamed from their store (no full-size temporary on the GPU or in
-    RAM); ``meta.pt`` is written last and atomically.
+    RAM) into files named for this save; ``meta.pt`` is written last and atomically,
+    and only then are the previous checkpoint's table files removed. A save that dies
+    part-way therefore leaves the previous checkpoint in ``directory`` loadable, whole.
     """
     ext = _extension(format)
     parts = {name: _parts(obj) for name, obj in objects.items()}
@@ -115,17 +121,54 @@ def save_checkpoint(
             )
     d = os.fspath(directory)
     os.makedirs(d, exist_ok=True)
+    previous = _listed_files(d)
+    # new table files get names of their own: until the new meta.pt replaces the old one,
+    # the previous checkpoint stays whole (a save killed part-way never mixes the two)
+    token = uuid.uuid4().hex[:8]
     entries: dict[str, Any] = {}
     for name, (kind, tables, meta) in parts.items():
         files = {}
         for tname, table in tables.items():
-            fname = f"{name}.{tname}{ext}"
+            fname = f"{name}.{tname}.{token}{ext}"
             table.save(os.path.join(d, fname), format=format, progress=progress)
             files[tname] = fname
         entries[name] = {"kind": kind, "tables": files, "meta": meta}
     tmp = os.path.join(d, _META + ".tmp")
     torch.save({"version": _VERSION, "format": format, "objects": entries}, tmp)
     os.replace(tmp, os.path.join(d, _META))
+    current = {f for e in entries.values() for f in e["tables"].values()}
+    # the previous checkpoint's tables, and those of saves that died part-way, now unused
+    prefixes = [
+        re.escape(f"{name}.{tname}.") for name, (_, tables, _) in parts.items() for tname in tables
+    ]
+    stale: set[str] = set()
+    if prefixes:
+        ours = re.compile("^(?:" + "|".join(prefixes) + r")[0-9a-f]{8}\.")
+        stale = {f for f in os.listdir(d) if ours.match(f)}
+    for fname in (previous | stale) - current:
+        _remove(os.path.join(d, fname))
+
+
+def _listed_files(d: str) -> set[str]:
+    """Table files named by the checkpoint already in ``d`` (none if there is none)."""
+    meta_path = os.path.join(d, _META)
+    if not os.path.exists(meta_path):
+        return set()
+    try:
+        saved = torch.load(meta_path, map_location="cpu", weights_only=True)
+        return {f for e in saved["objects"].values() for f in e["tables"].values()}
+    except Exception:  # an unreadable old meta.pt: leave its files alone
+        return set()
+
+
+def _remove(path: str) -> None:
+    try:
+        if os.path.isdir(path):  # a zarr array is a directory
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def _load_table(table: DataGadget, path: str, fmt: str) -> None:
