@@ -152,3 +152,21 @@ def test_prefetch_overlaps_and_protects_buffers(table: np.ndarray) -> None:
             del x, ids
     torch.cuda.synchronize()
     assert as_lists(kept) == expected
+
+
+@pytest.mark.parametrize(("coalesce", "workers"), [(1, 0), (4, 0), (8, 0), (1, 2)])
+def test_leaving_a_pass_early_restarts_that_epoch_whatever_the_read_ahead(
+    coalesce: int, workers: int
+) -> None:
+    n = 40
+    ds = GadgetDataset(np.arange(n, dtype=np.float32), placement="cpu", device="cpu")
+    ref = GadgetSampler(n, batch_size=5, seed=0)
+    epoch0, epoch1 = [b.tolist() for b in ref], [b.tolist() for b in ref]
+    loader = GadgetLoader(ds, batch_size=5, coalesce=coalesce, num_workers=workers, seed=0)
+    for i, _ in enumerate(loader):
+        if i == 6:  # 7 of 8 batches taken: read-ahead has already drained the sampler
+            break
+    assert loader.state_dict()["sampler"]["epoch"] == 0
+    again = [b[0].long().tolist() for b in loader]
+    assert again == epoch0  # like a bare sampler: the unfinished epoch restarts
+    assert [b[0].long().tolist() for b in loader] == epoch1  # a finished one moves on

@@ -193,6 +193,13 @@ class GadgetLoader:
 
     # ---- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[GadgetBatch]:
+        prev = self._active
+        if prev is not None:
+            # the last pass was left before its end: read-ahead (coalescing, workers) may
+            # have drained the sampler past what was handed out, so go by what the user got
+            # -- an unfinished epoch restarts, as a bare sampler's does; a finished one moves on
+            epoch, start, handed = prev
+            self._sampler.set_epoch(epoch if start + handed < len(self._sampler) else epoch + 1)
         epoch, start = self._sampler._next_start()
         active = [epoch, start, 0]
         self._active = active
