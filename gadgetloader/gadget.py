@@ -12,7 +12,7 @@ import torch
 from . import io as _io
 from ._device import resolve_device
 from ._dtypes import as_torch_dtype, dtype_name, numpy_dtype
-from ._errors import GadgetTypeError, GadgetValueError
+from ._errors import GadgetError, GadgetTypeError, GadgetValueError
 from ._ids import as_ids
 from .stores import Store, empty_store
 from .stores._base import gather_many as gather_stores
@@ -624,8 +624,11 @@ def scatter_many(gadgets: Any, rows: Any, indexes: Any, *, check_ids: bool = Tru
     checked = []
     ids = indexes
     for k, (g, r) in enumerate(zip(group, rows, strict=True)):
-        g._store.check_writable()
-        data, ids = g._insert_args(r, ids, check_ids if k == 0 else False)
+        try:
+            g._store.check_writable()
+            data, ids = g._insert_args(r, ids, check_ids if k == 0 else False)
+        except GadgetError as exc:  # say which table, keeping the error's class
+            raise type(exc)(f"table {k} of {len(group)}: {exc}") from exc
         checked.append((data, ids))
     if checked[0][1].numel() == 0:
         return

@@ -64,7 +64,7 @@ def test_bad_input_to_many_changes_no_table(placement: str, device: torch.device
         gl.scatter_many(gadgets, rows, torch.tensor([1, 300], device=device))
     bad = list(rows)
     bad[3] = torch.zeros((2, 5), dtype=torch.float64, device=device)  # wrong row shape
-    with pytest.raises(GadgetValueError, match="shape"):
+    with pytest.raises(GadgetValueError, match="table 3 of 5: .*shape"):
         gl.scatter_many(gadgets, bad, [1, 2])
     with pytest.raises(GadgetValueError, match="5 tables but 4"):
         gl.scatter_many(gadgets, rows[:4], [1, 2])
