@@ -76,7 +76,7 @@ def resolve_strategy(
         return "sorted"
     if strategy != "auto":
         return strategy
-    nbytes = table.numel() * table.element_size()
+    nbytes = table.shape[0] * _kernels.pitch_nbytes(table) if table.dim() else 0
     if kind == "scatter" or nbytes <= SORT_ABOVE_BYTES or n_ids <= 1024:
         return "kernel"
     if host is None or n_ids < HYBRID_MIN_IDS or nbytes / n_ids <= HYBRID_GAP_BYTES:
@@ -125,10 +125,16 @@ FUSE_MAX_BYTES = 1 << 31
 
 def _groups(tables: list[torch.Tensor]) -> list[slice]:
     """Slices of tables that share one launch: up to ``MAX_TABLES`` small tables together,
-    large tables (over :data:`FUSE_MAX_BYTES` together) one by one."""
+    large tables (over :data:`FUSE_MAX_BYTES` together) one by one, and the slots of an
+    interleaved table together (up to ``MAX_TABLES`` per launch) whatever their size."""
     n = len(tables)
-    total = sum(t.numel() * t.element_size() for t in tables)
-    step = _kernels.MAX_TABLES if total <= FUSE_MAX_BYTES else 1
+    if _kernels.segments_of(tables):
+        # slots of one interleaved table: moving them together is what shares the
+        # host pages' translations, whatever the size
+        step = _kernels.MAX_TABLES
+    else:
+        total = sum(t.numel() * t.element_size() for t in tables)
+        step = _kernels.MAX_TABLES if total <= FUSE_MAX_BYTES else 1
     return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
 

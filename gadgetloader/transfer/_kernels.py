@@ -21,6 +21,9 @@ Design (see ``DESIGN.md``):
 * One launch moves the same ids for up to four tables of one row layout (a table
   and its optimizer states): ``blockIdx.y`` picks the table, so the switchers pay
   one launch per step and direction instead of one per table.
+* A table may be a view of one slot of an *interleaved* table (rows of a table and its
+  optimizer states side by side, ``pitch`` bytes apart). Consecutive slots of one such
+  table move as one wide row per id: each host page is translated once for all of them.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ __all__ = [
     "SCATTER_LAST_OF_RUN",
     "launch_gather",
     "launch_scatter",
+    "pitch_nbytes",
+    "segments_of",
     "vector_width",
 ]
 
@@ -57,97 +62,97 @@ MAX_TABLES = 4
 SCATTER_ALL, SCATTER_LAST_OF_RUN = 0, 1
 
 _SOURCE = r"""
-// Up to four tables of one row layout move in one launch: blockIdx.y picks the table.
+// Up to four tables of one row layout move in one launch. Two ways to spread them:
+// * blockIdx.y picks the table (separate tables);
+// * segs > 1: the tables are consecutive segments of one wider row (a table interleaved
+//   with its optimizer states, see DESIGN.md), so a thread walks the whole wide row and
+//   the segment it is in picks the dense buffer: one translation of each host page.
+// pitch: the table's row stride in vectors (>= vpr * segs for an interleaved table).
+struct GatherArgs {
+    const void* table[4]; void* out[4];
+    long long n_rows, vpr, pitch, segs; const long long* ids; const long long* pos; long long n;
+};
+struct ScatterArgs {
+    void* table[4]; const void* rows[4];
+    long long n_rows, vpr, pitch, segs; const long long* ids; const long long* pos;
+    long long mode, n;
+};
+
 template <typename V>
-__device__ __forceinline__ void gather_rows(
-    const V* __restrict__ src, long long n_rows, long long vpr,
-    const long long* __restrict__ ids, const long long* __restrict__ pos,
-    long long n, V* __restrict__ out)
+__device__ __forceinline__ void gather_rows(const GatherArgs& a)
 {
-    const long long total = n * vpr;
+    const int y = blockIdx.y;
+    const V* __restrict__ src = (const V*)a.table[y];
+    const long long span = a.vpr * a.segs;
+    const long long total = a.n * span;
     const long long stride = (long long)blockDim.x * gridDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += stride * UNROLL) {
         V v[UNROLL];
-        long long dst[UNROLL];
+        V* dst[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const long long k = i + u * stride;
-            dst[u] = -1;
+            dst[u] = nullptr;
             if (k < total) {
-                const long long j = k / vpr;
-                const long long c = k - j * vpr;
-                const long long r = ids[j];
-                dst[u] = (pos ? pos[j] : j) * vpr + c;
-                v[u] = (r >= 0 && r < n_rows) ? src[r * vpr + c] : V();  // never read outside
+                const long long j = k / span;
+                const long long cc = k - j * span;
+                const long long s = cc / a.vpr;
+                const long long c = cc - s * a.vpr;
+                const long long r = a.ids[j];
+                dst[u] = (V*)a.out[y + s] + (a.pos ? a.pos[j] : j) * a.vpr + c;
+                v[u] = (r >= 0 && r < a.n_rows) ? src[r * a.pitch + cc] : V();  // never read outside
             }
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            if (dst[u] >= 0) out[dst[u]] = v[u];
+            if (dst[u]) *dst[u] = v[u];
         }
     }
 }
 
 template <typename V>
-__device__ __forceinline__ void scatter_rows(
-    V* __restrict__ dst, long long n_rows, long long vpr,
-    const long long* __restrict__ ids, const long long* __restrict__ pos,
-    int mode, long long n, const V* __restrict__ src)
+__device__ __forceinline__ void scatter_rows(const ScatterArgs& a)
 {
-    const long long total = n * vpr;
+    const int y = blockIdx.y;
+    V* __restrict__ table = (V*)a.table[y];
+    const long long span = a.vpr * a.segs;
+    const long long total = a.n * span;
     const long long stride = (long long)blockDim.x * gridDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += stride * UNROLL) {
         V v[UNROLL];
-        long long to[UNROLL];
+        V* to[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const long long k = i + u * stride;
-            to[u] = -1;
+            to[u] = nullptr;
             if (k < total) {
-                const long long j = k / vpr;
-                const long long c = k - j * vpr;
-                const long long r = ids[j];
+                const long long j = k / span;
+                const long long cc = k - j * span;
+                const long long r = a.ids[j];
                 // mode 1: ids sorted stably; a repeat that a later entry overwrites is skipped
-                const bool wins = mode == 0 || j + 1 == n || ids[j + 1] != r;
-                if (wins && r >= 0 && r < n_rows) {  // never write outside
-                    v[u] = src[(pos ? pos[j] : j) * vpr + c];
-                    to[u] = r * vpr + c;
+                const bool wins = a.mode == 0 || j + 1 == a.n || a.ids[j + 1] != r;
+                if (wins && r >= 0 && r < a.n_rows) {  // never write outside
+                    const long long s = cc / a.vpr;
+                    const long long c = cc - s * a.vpr;
+                    v[u] = ((const V*)a.rows[y + s])[(a.pos ? a.pos[j] : j) * a.vpr + c];
+                    to[u] = table + r * a.pitch + cc;
                 }
             }
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            if (to[u] >= 0) dst[to[u]] = v[u];
+            if (to[u]) *to[u] = v[u];
         }
     }
 }
 
 // All arguments travel in one struct passed by value: one kernel parameter to marshal
-// from Python instead of fourteen (the launch's CPU cost bounds small transfers).
-struct GatherArgs {
-    const void* table[4]; void* out[4];
-    long long n_rows, vpr; const long long* ids; const long long* pos; long long n;
-};
-struct ScatterArgs {
-    void* table[4]; const void* rows[4];
-    long long n_rows, vpr; const long long* ids; const long long* pos; long long mode, n;
-};
-
+// from Python (the launch's CPU cost bounds small transfers).
 #define GL_DEFINE(SUFFIX, V)                                                         \
-extern "C" __global__ void gl_gather_##SUFFIX(const GatherArgs a)                    \
-{                                                                                    \
-    const int k = blockIdx.y;                                                        \
-    gather_rows<V>((const V*)a.table[k], a.n_rows, a.vpr, a.ids, a.pos, a.n,         \
-                   (V*)a.out[k]);                                                    \
-}                                                                                    \
-extern "C" __global__ void gl_scatter_##SUFFIX(const ScatterArgs a)                  \
-{                                                                                    \
-    const int k = blockIdx.y;                                                        \
-    scatter_rows<V>((V*)a.table[k], a.n_rows, a.vpr, a.ids, a.pos, (int)a.mode, a.n, \
-                    (const V*)a.rows[k]);                                            \
-}
+extern "C" __global__ void gl_gather_##SUFFIX(const GatherArgs a) { gather_rows<V>(a); } \
+extern "C" __global__ void gl_scatter_##SUFFIX(const ScatterArgs a) { scatter_rows<V>(a); }
 
 GL_DEFINE(16, uint4)
 GL_DEFINE(8, uint2)
@@ -186,34 +191,74 @@ def _row_nbytes(table: torch.Tensor) -> int:
     return math.prod(table.shape[1:]) * table.element_size()
 
 
+def pitch_nbytes(table: torch.Tensor) -> int:
+    """Bytes from one row of ``table`` to the next: its row size for a contiguous table,
+    more for a view of one slot of an interleaved table. The elements of a row must be
+    contiguous."""
+    row = _row_nbytes(table)
+    if table.is_contiguous() or table.shape[0] <= 1:
+        return row
+    inner = table[0]
+    if inner.numel() > 1 and not inner.is_contiguous():
+        raise ValueError(
+            f"a table's rows must each be contiguous; got strides {tuple(table.stride())} "
+            f"for shape {tuple(table.shape)}"
+        )
+    return max(table.stride(0) * table.element_size(), row)
+
+
+def segments_of(tables: list[torch.Tensor]) -> bool:
+    """Whether ``tables`` (two or more) are consecutive slots of one interleaved table:
+    same row size and row pitch, slot ``k`` starting ``k`` rows' bytes after slot 0,
+    all slots inside one pitch. Such a group moves as one wide row per id."""
+    if len(tables) < 2:
+        return False
+    first = tables[0]
+    row = _row_nbytes(first)
+    pitch = pitch_nbytes(first)
+    if row == 0 or pitch < row * len(tables):
+        return False
+    base = first.data_ptr()
+    for k, t in enumerate(tables[1:], start=1):
+        if (
+            t.data_ptr() != base + k * row
+            or _row_nbytes(t) != row
+            or pitch_nbytes(t) != pitch
+            or t.shape[0] != first.shape[0]
+            or t.device != first.device
+        ):
+            return False
+    return True
+
+
 def _grid(total: int, device_index: int, unroll: int = UNROLL) -> int:
     return max(1, min(-(-total // (BLOCK * unroll)), _max_blocks(device_index)))
 
 
-_functions: dict[tuple[int, int, str], tuple[Any, bool]] = {}
+_functions: dict[tuple[int, int, str], tuple[Any, int]] = {}
 
 
-def _function(device_index: int, unroll: int, name: str) -> tuple[Any, bool]:
-    """The compiled kernel and whether its call takes the stream directly: CuPy's
-    low-level ``Function`` does (``RawKernel.kernel``); a plain ``RawKernel`` does not."""
+def _function(device_index: int, unroll: int, name: str) -> tuple[Any, int]:
+    """The compiled kernel and its driver handle (0: launch through CuPy's call instead).
+
+    The fast path hands the kernel's one struct argument to ``cuLaunchKernel`` (CuPy's
+    ``driver.launchKernel``) on torch's raw current stream: ~7 us of CPU a launch on the
+    H200 host against ~15 us through CuPy's kernel call (measured)."""
     key = (device_index, unroll, name)
     entry = _functions.get(key)
     if entry is None:
         raw = _module(device_index, unroll).get_function(name)
-        with get_cupy("GPU kernels").cuda.Device(device_index):
+        cp = get_cupy("GPU kernels")
+        with cp.cuda.Device(device_index):
             low = getattr(raw, "kernel", None)
-        entry = (low, True) if low is not None and _raw_stream is not None else (raw, False)
+        ptr = int(getattr(low, "ptr", 0) or 0)
+        driver = getattr(getattr(cp.cuda, "driver", None), "launchKernel", None)
+        if low is None or not ptr or driver is None or _raw_stream is None:
+            entry = (raw, 0)
+        else:
+            entry = (driver, ptr)
         _functions[key] = entry
     return entry
-
-
-class _StreamRef:
-    """What CuPy's kernel call reads from a stream: its handle, as ``.ptr``."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
 
 
 #: torch's current raw stream handle for a device index, without building a Stream object
@@ -221,23 +266,35 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _launch(
-    kernel: tuple[Any, bool], grid: tuple[int, int], args: tuple[Any, ...], device: torch.device
+    kernel: tuple[Any, int],
+    grid: tuple[int, int],
+    words: list[int],
+    struct: np.dtype,
+    device: torch.device,
 ) -> None:
     """Launch on torch's current stream of ``device`` with as little Python as possible:
-    this runs once per batch, and its cost bounds the rate of small transfers."""
-    fn, takes_stream = kernel
+    this runs once per batch, and its cost bounds the rate of small transfers. ``words``
+    are the kernel's struct argument as 8-byte words."""
+    fn, ptr = kernel
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if takes_stream:
+    if ptr:
         assert _raw_stream is not None
-        stream = _StreamRef(_raw_stream(idx))
+        arg = np.array(words, dtype=np.uint64)  # the struct's bytes, kept alive over the call
+        params = np.array([arg.__array_interface__["data"][0]], dtype=np.uint64)
+        launch = (
+            ptr, grid[0], grid[1], 1, BLOCK, 1, 1, 0, _raw_stream(idx),
+            params.__array_interface__["data"][0], 0,
+        )  # fmt: skip
         if torch.cuda.current_device() == idx:
-            fn(grid, (BLOCK,), args, stream=stream)
+            fn(*launch)
         else:
             with get_cupy("GPU kernels").cuda.Device(idx):
-                fn(grid, (BLOCK,), args, stream=stream)
+                fn(*launch)
         return
+    packed = np.empty(1, struct)
+    packed["w"][0] = words
     with get_cupy("GPU kernels").cuda.Device(idx), cupy_stream(device):
-        fn(grid, (BLOCK,), args)
+        fn(grid, (BLOCK,), (packed,))
 
 
 def _check_group(tables: list[torch.Tensor], others: list[torch.Tensor]) -> int:
@@ -249,12 +306,21 @@ def _check_group(tables: list[torch.Tensor], others: list[torch.Tensor]) -> int:
         )
     first = tables[0]
     row_nbytes = _row_nbytes(first)
+    pitch = pitch_nbytes(first)
     for t in tables[1:]:
         if t.shape[0] != first.shape[0] or _row_nbytes(t) != row_nbytes:
             raise ValueError(
                 "fused tables must have the same number of rows and the same row size; got "
                 f"{tuple(first.shape)} {first.dtype} and {tuple(t.shape)} {t.dtype}"
             )
+        if pitch_nbytes(t) != pitch:
+            raise ValueError(
+                "fused tables must have the same row pitch; got "
+                f"{pitch} and {pitch_nbytes(t)} bytes"
+            )
+    for o in others:
+        if not o.is_contiguous():
+            raise ValueError("the dense row buffers of a launch must be contiguous")
     return row_nbytes
 
 
@@ -263,16 +329,22 @@ def _pointer_args(tensors: list[torch.Tensor]) -> list[int]:
     return ptrs + [ptrs[0]] * (MAX_TABLES - len(ptrs))  # unused slots: never selected
 
 
-#: the kernels' argument structs as raw 8-byte words (GatherArgs: 13, ScatterArgs: 14)
-_GATHER_ARGS = np.dtype([("w", np.uint64, (13,))])
-_SCATTER_ARGS = np.dtype([("w", np.uint64, (14,))])
+#: the kernels' argument structs as raw 8-byte words (GatherArgs: 15, ScatterArgs: 16)
+_GATHER_ARGS = np.dtype([("w", np.uint64, (15,))])
+_SCATTER_ARGS = np.dtype([("w", np.uint64, (16,))])
 
 
-def _pack(dtype: np.dtype, words: list[int]) -> np.ndarray:
-    """One struct argument: a size-1 NumPy array, which CuPy passes to the kernel by value."""
-    arg = np.empty(1, dtype)
-    arg["w"][0] = words
-    return arg
+def _layout(
+    tables: list[torch.Tensor], bufs: list[torch.Tensor], row_nbytes: int, max_vector: int
+) -> tuple[int, int, int, int, int]:
+    """(vector bytes, vectors per row, row pitch in vectors, segments, grid rows)."""
+    pitch = pitch_nbytes(tables[0])
+    segs = len(tables) if segments_of(tables) else 1
+    w = min(
+        max_vector,
+        vector_width(row_nbytes, pitch, *(t.data_ptr() for t in tables + bufs)),
+    )
+    return w, row_nbytes // w, pitch // w, segs, (1 if segs > 1 else len(tables))
 
 
 def launch_gather(
@@ -301,26 +373,23 @@ def launch_gather(
     if n == 0 or row_nbytes == 0:
         return
     device = outs[0].device
-    w = min(max_vector, vector_width(row_nbytes, *(t.data_ptr() for t in tables + outs)))
-    vpr = row_nbytes // w
+    w, vpr, pitch, segs, gy = _layout(tables, outs, row_nbytes, max_vector)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     _launch(
         _function(idx, unroll, f"gl_gather_{w}"),
-        (_grid(n * vpr, idx, unroll), len(tables)),
-        (
-            _pack(
-                _GATHER_ARGS,
-                [
-                    *_pointer_args(tables),
-                    *_pointer_args(outs),
-                    tables[0].shape[0],
-                    vpr,
-                    ids.data_ptr(),
-                    0 if pos is None else pos.data_ptr(),
-                    n,
-                ],
-            ),
-        ),
+        (_grid(n * vpr * segs, idx, unroll), gy),
+        [
+            *_pointer_args(tables),
+            *_pointer_args(outs),
+            tables[0].shape[0],
+            vpr,
+            pitch,
+            segs,
+            ids.data_ptr(),
+            0 if pos is None else pos.data_ptr(),
+            n,
+        ],
+        _GATHER_ARGS,
         device,
     )
 
@@ -347,26 +416,23 @@ def launch_scatter(
     if n == 0 or row_nbytes == 0:
         return
     device = srcs[0].device
-    w = vector_width(row_nbytes, *(t.data_ptr() for t in tables + srcs))
-    vpr = row_nbytes // w
+    w, vpr, pitch, segs, gy = _layout(tables, srcs, row_nbytes, 16)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     _launch(
         _function(idx, SCATTER_UNROLL, f"gl_scatter_{w}"),
-        (_grid(n * vpr, idx, SCATTER_UNROLL), len(tables)),
-        (
-            _pack(
-                _SCATTER_ARGS,
-                [
-                    *_pointer_args(tables),
-                    *_pointer_args(srcs),
-                    tables[0].shape[0],
-                    vpr,
-                    ids.data_ptr(),
-                    0 if pos is None else pos.data_ptr(),
-                    mode,
-                    n,
-                ],
-            ),
-        ),
+        (_grid(n * vpr * segs, idx, SCATTER_UNROLL), gy),
+        [
+            *_pointer_args(tables),
+            *_pointer_args(srcs),
+            tables[0].shape[0],
+            vpr,
+            pitch,
+            segs,
+            ids.data_ptr(),
+            0 if pos is None else pos.data_ptr(),
+            mode,
+            n,
+        ],
+        _SCATTER_ARGS,
         device,
     )
