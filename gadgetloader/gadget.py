@@ -192,6 +192,29 @@ class DataGadget:
                 self._store.write_block(0, data)
                 self._store.synchronize()
 
+    @classmethod
+    def _of_store(cls, store: Store, device: Any = None, strategy: str = "auto") -> DataGadget:
+        """A gadget over an existing store (internal: optimizer-state slots)."""
+        g = cls.__new__(cls)
+        g._placement_requested = store.placement
+        g._device = resolve_device(device)
+        g._strategy = strategy
+        g._source_path = None
+        g._file_options = {}
+        g._store = store
+        return g
+
+    def _replace_store(self, store: Store) -> None:
+        """Swap in ``store`` (same shape and dtype) and close the old one (internal)."""
+        old = self._store
+        if store.shape != old.shape or store.dtype != old.dtype:
+            raise GadgetValueError(
+                f"replacement store {store.shape} {store.dtype} does not match "
+                f"{old.shape} {old.dtype}"
+            )
+        self._store = store
+        old.close()
+
     # ---- construction helpers --------------------------------------------------------
     def _open_file(
         self,
@@ -526,7 +549,14 @@ class DataGadget:
         format: str | None = None,
         progress: bool | None = None,
     ) -> None:
-        """Replace the table with a file's contents, keeping the placement."""
+        """Replace the table with a file's contents, keeping the placement.
+
+        A table interleaved with its optimizer states (see ``OffloadedOptimizer``)
+        is overwritten in place, and then the file must hold the same shape and dtype.
+        """
+        if getattr(self._store, "load_in_place", False):
+            self._load_in_place(os.fspath(path), dataset, format, progress)
+            return
         new = self._open_file(
             os.fspath(path),
             self.placement if self.placement != "file" else self._placement_requested,
@@ -538,6 +568,23 @@ class DataGadget:
         )
         old, self._store = self._store, new
         old.close()
+
+    def _load_in_place(
+        self, path: str, dataset: str | None, fmt: str | None, progress: bool | None
+    ) -> None:
+        source = _io.open_source(path, format=fmt, dataset=dataset)
+        try:
+            if tuple(source.shape) != self.shape or source.dtype != self.dtype:
+                raise GadgetValueError(
+                    f"{path} holds {tuple(source.shape)} {dtype_name(source.dtype)}; this table "
+                    f"shares its rows with its optimizer state and is loaded in place, so the "
+                    f"file must hold {self.shape} {dtype_name(self.dtype)}"
+                )
+            self._store.check_writable()
+            self._store.synchronize()
+            _io.load_into(source, self._store, progress=progress)
+        finally:
+            source.close()
 
     # ---- lifetime --------------------------------------------------------------------------
     def close(self) -> None:

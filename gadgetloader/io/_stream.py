@@ -75,7 +75,7 @@ def load_into(source: ArraySource, store: Store, *, progress: bool | None = None
     host = store.host_view()
     bar = progress_bar(source.nbytes, f"load {source.path}", progress)
     with bar:
-        if host is not None:
+        if host is not None and host.is_contiguous():  # else (a strided slot): staged
             full = _numpy_view(host)
             if getattr(source, "concurrent_reads", False):
                 _read_overlapped(source, full, rpb, bar)

@@ -10,6 +10,7 @@ from .._device import resolve_placement
 from .._errors import GadgetKeyError
 from ._base import Store
 from ._file import FileStore, file_store
+from ._interleaved import SlotStore, interleave
 from ._memory import CpuStore, CudaStore
 from ._pinned import HostBuffer, PinnedStore
 
@@ -19,9 +20,11 @@ __all__ = [
     "FileStore",
     "HostBuffer",
     "PinnedStore",
+    "SlotStore",
     "Store",
     "empty_store",
     "file_store",
+    "interleaved_stores",
 ]
 
 _IN_MEMORY: dict[str, Any] = {"cpu": CpuStore, "cuda": CudaStore, "pinned": PinnedStore}
@@ -44,3 +47,17 @@ def empty_store(
     if cls is CpuStore:
         return CpuStore(shape, dtype)
     return cls(shape, dtype, device)
+
+
+def interleaved_stores(
+    placement: str,
+    num_rows: int,
+    row_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    slots: int,
+    device: torch.device | None = None,
+) -> list[SlotStore]:
+    """``slots`` zero-filled tables of ``num_rows`` rows whose row ``i`` lie side by side
+    in one buffer of ``placement`` (``pinned`` or ``cpu``); see :class:`SlotStore`."""
+    parent = empty_store(placement, (int(num_rows), int(slots), *row_shape), dtype, device)
+    return interleave(parent)

@@ -77,6 +77,13 @@ class _OffloadedTable(nn.Module):
             nn.Parameter(torch.empty((0, self.embedding_dim), dtype=td, device=self.compute_device))
         )
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: the optimizer-state tables interleaved with the table (set by OffloadedOptimizer):
+        #: a training forward then gathers each row's states with it, in the same wide read
+        self._state_stores: list[Any] | None = None
+        #: states gathered by a forward, by id() of its rows tensor, until the step
+        self._forward_states: dict[int, list[torch.Tensor]] = {}
+        #: the states of this step's rows when one forward gathered them all
+        self._prefetched: list[torch.Tensor] | None = None
         self._attached = False
 
     @property
@@ -93,6 +100,7 @@ class _OffloadedTable(nn.Module):
             param = self._slot.param
             param.data = param.data.to(probe.device)
             self._pending.clear()
+            self._forward_states.clear()
         return out
 
     @property
@@ -111,15 +119,19 @@ class _OffloadedTable(nn.Module):
         ids = as_ids(input, self.num_embeddings, self.compute_device, check=False)
         plan = plan_rows((ids,), "merge", self.num_embeddings)
         store = self.table.store
-        (rows,) = gather_stores(
-            [store],
+        training = torch.is_grad_enabled() and self._attached
+        stores = [store, *self._state_stores] if training and self._state_stores else [store]
+        rows, *states = gather_stores(
+            stores,
             plan.ids.to(store.ids_device(self.compute_device)),
             self.compute_device,
             ids_sorted=plan.distinct,
         )
-        if torch.is_grad_enabled() and self._attached:
+        if training:
             rows.requires_grad_(True)
             self._pending.append((plan.ids, rows))
+            if states:
+                self._forward_states[id(rows)] = states
         return plan.local.view(ids.shape), rows
 
     # ---- used by OffloadedOptimizer ------------------------------------------------
@@ -127,12 +139,17 @@ class _OffloadedTable(nn.Module):
         """Merge this step's forward calls into the per-step parameter and its gradient."""
         pending = [(ids, rows) for ids, rows in self._pending if rows.grad is not None]
         self._pending.clear()
+        forward_states, self._forward_states = self._forward_states, {}
+        self._prefetched = None
         param = self._slot.param
         if not pending:
             param.grad = None
             return None
         if len(pending) == 1:
             ids, rows = pending[0]
+            # one forward gathered exactly this step's rows: its state rows are current
+            # (nothing writes a table's state between its forward and its step)
+            self._prefetched = forward_states.get(id(rows))
             data, grad = rows.detach(), rows.grad
             plan = RowPlan(ids, ids, ((ids.numel(),),), True)
         else:
@@ -399,13 +416,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.defaults = self.inner.defaults
         self.tables = tables
         self.pagers = [
-            StatePager(self.inner, m._slot.param, m.num_embeddings, placement=m.placement)
+            StatePager(
+                self.inner, m._slot.param, m.num_embeddings, placement=m.placement, table=m.table
+            )
             for m in tables
         ]
         self._sparse = self.optimizer_name == "SparseAdam"
         self._prepared: list[RowPlan | None] | None = None
-        for m in tables:
+        for m, pager in zip(tables, self.pagers, strict=True):
             m._attached = True
+            m._state_stores = (
+                [t.store for t in pager.tables.values()] if pager.interleaved else None
+            )
 
     def __repr__(self) -> str:
         return f"OffloadedOptimizer({self.inner!r}, offloaded tables={len(self.tables)})"
@@ -424,6 +446,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for m, before in zip(self.tables, old, strict=True):
             if not m._has_pending_grads():
                 m._pending.clear()
+                m._forward_states.clear()
                 plans.append(before)
                 continue
             if before is not None:
@@ -443,9 +466,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.prepare_grads()
         plans, self._prepared = self._prepared or [], None
-        for pager, plan in zip(self.pagers, plans, strict=True):
+        for m, pager, plan in zip(self.tables, self.pagers, plans, strict=True):
             if plan is not None:
-                pager.load(plan)
+                pager.load(plan, prefetched=m._prefetched)
+            m._prefetched = None
         self.inner.step()
         for m, pager, plan in zip(self.tables, self.pagers, plans, strict=True):
             if plan is not None:

@@ -39,6 +39,7 @@ __all__ = [
     "OptimizerSwitch",
     "StateLayout",
     "StatePager",
+    "interleave_ok",
     "probe_state",
     "resolve_named_parameter",
     "supported_name",
@@ -218,6 +219,16 @@ class StatePager:
         Where the state tables live (``'pinned'``, ``'cuda'``, ``'cpu'``).
     dtype : torch.dtype, optional
         Dtype of the state tables (default: what torch uses for the state).
+    table : DataGadget, optional
+        The parameter's full table. Where it lives in host RAM (``pinned`` or ``cpu``)
+        with the states' placement and dtype, it is moved into one buffer with the
+        state tables, row ``i`` of each side by side (:func:`interleave_ok`): a step's
+        rows then cost one host-page translation for the table and all its states
+        instead of one each (DESIGN.md). This copies the table once; the
+        :class:`~gadgetloader.DataGadget` object stays the same, views taken from it
+        before (``as_tensor()``) no longer see it.
+    interleave : bool, default True
+        ``False`` keeps the state tables separate from ``table``.
 
     Notes
     -----
@@ -234,6 +245,8 @@ class StatePager:
         *,
         placement: str,
         dtype: torch.dtype | None = None,
+        table: DataGadget | None = None,
+        interleave: bool = True,
     ) -> None:
         self.optimizer = optimizer
         self.param = param
@@ -242,21 +255,35 @@ class StatePager:
         self.tables: dict[str, DataGadget] = {}
         #: whether a fresh row's state is all zeros (padding rows are then zeroed)
         self._zero_init: dict[str, bool] = {}
-        for key in self.layout.row_keys:
+        dtypes = [
+            dtype if dtype is not None else self.layout.init_rows[k].dtype
+            for k in self.layout.row_keys
+        ]
+        slots = (
+            _interleave_with(table, placement, num_rows, row_shape, dtypes, param.device)
+            if interleave and table is not None
+            else None
+        )
+        #: whether the state tables share their rows with the parameter's table
+        self.interleaved = slots is not None
+        for i, key in enumerate(self.layout.row_keys):
             init = self.layout.init_rows[key]
             self._zero_init[key] = bool((init == 0).all().item()) if init.numel() else True
-            table = DataGadget(
-                shape=(num_rows, *row_shape),
-                dtype=dtype if dtype is not None else init.dtype,
-                placement=placement,
-                device=param.device,
-            )
+            if slots is not None:
+                state_table = DataGadget._of_store(slots[i], device=param.device)
+            else:
+                state_table = DataGadget(
+                    shape=(num_rows, *row_shape),
+                    dtype=dtypes[i],
+                    placement=placement,
+                    device=param.device,
+                )
             fill = init.reshape(row_shape)
             if torch.all(fill == fill.reshape(-1)[0]).item():
-                table.fill_(float(fill.reshape(-1)[0].item()) if fill.numel() else 0.0)
+                state_table.fill_(float(fill.reshape(-1)[0].item()) if fill.numel() else 0.0)
             else:
-                table.init_(lambda t, f=fill: t.copy_(f.to(t.device, t.dtype).expand_as(t)))
-            self.tables[key] = table
+                state_table.init_(lambda t, f=fill: t.copy_(f.to(t.device, t.dtype).expand_as(t)))
+            self.tables[key] = state_table
         state = optimizer.state[param]
         for key, value in self.layout.init_scalars.items():
             if key not in state:
@@ -266,18 +293,38 @@ class StatePager:
     def row_keys(self) -> tuple[str, ...]:
         return self.layout.row_keys
 
-    def load(self, plan: RowPlan, capacity: int | None = None) -> None:
+    def load(
+        self,
+        plan: RowPlan,
+        capacity: int | None = None,
+        prefetched: list[torch.Tensor] | None = None,
+    ) -> None:
         """Gather the plan's rows of every state table into the optimizer's state.
 
         With ``capacity`` (> the plan's rows) the state tensors get that many rows,
         the extra ones holding a fresh row's state (padding of the model variable).
         All state tables move in one fused gather where their placement allows.
+        ``prefetched``: the plan's state rows, one tensor per state table, already
+        gathered (with the table's rows, by a forward); used as they are.
         """
         state = self.optimizer.state[self.param]
         dev = self.param.device
         n = plan.num_rows
         cap = n if capacity is None else max(n, capacity)
         stores = [t.store for t in self.tables.values()]
+        if (
+            prefetched is not None
+            and cap == n
+            and len(prefetched) == len(stores)
+            and all(p.shape[0] == n and p.device == dev for p in prefetched)
+        ):
+            for key, rows in zip(self.tables, prefetched, strict=True):
+                init = self.layout.init_rows[key]
+                state[key] = rows if rows.dtype == init.dtype else rows.to(init.dtype)
+            for key, value in self.layout.init_scalars.items():
+                if key not in state:
+                    state[key] = _snapshot(value)
+            return
         full = [torch.empty((cap, *s.row_shape), dtype=s.dtype, device=dev) for s in stores]
         if stores:
             ids = plan.ids.to(stores[0].ids_device(dev))
@@ -347,6 +394,73 @@ class StatePager:
                     if not isinstance(cur, torch.Tensor)
                     else torch.as_tensor(value, dtype=cur.dtype, device=cur.device)
                 )
+
+
+def interleave_ok(
+    table: DataGadget, placement: str, num_rows: int, row_shape: tuple[int, ...], dtypes: list[Any]
+) -> bool:
+    """Whether ``table`` and state tables of ``dtypes`` can share one buffer: at least one
+    state, all in host RAM (``pinned`` or ``cpu``, the same placement as the table),
+    the table's dtype and shape."""
+    from .._device import resolve_placement
+    from ..stores import CpuStore, PinnedStore, SlotStore
+
+    store = table.store
+    if not dtypes or store.closed or not isinstance(store, (PinnedStore, CpuStore, SlotStore)):
+        return False
+    where = store.placement
+    return (
+        where in ("pinned", "cpu")
+        and _quiet_placement(placement, resolve_placement) == where
+        and all(d == table.dtype for d in dtypes)
+        and table.shape == (num_rows, *row_shape)
+    )
+
+
+def _quiet_placement(placement: str, resolve: Any) -> str:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback warning was given when the table was made
+        return str(resolve(placement))
+
+
+def _interleave_with(
+    table: DataGadget,
+    placement: str,
+    num_rows: int,
+    row_shape: tuple[int, ...],
+    dtypes: list[Any],
+    device: torch.device,
+) -> list[Store] | None:
+    """Move ``table`` into slot 0 of a new interleaved buffer and return the state slots
+    (zero-filled), or None where :func:`interleave_ok` says no."""
+    from ..stores import interleaved_stores
+
+    if not interleave_ok(table, placement, num_rows, row_shape, dtypes):
+        return None
+    old = table.store
+    slots = interleaved_stores(
+        old.placement,
+        num_rows,
+        row_shape,
+        table.dtype,
+        1 + len(dtypes),
+        old.cuda_device if old.cuda_device is not None else None,
+    )
+    try:
+        old.synchronize()  # GPU writes into the old table (an initializer) have landed
+        src, dst = old.host_view(), slots[0].host_view()
+        assert src is not None and dst is not None
+        step = max(1, (256 << 20) // max(1, old.row_nbytes))
+        for start in range(0, num_rows, step):  # bounded blocks; torch's threads copy each
+            dst[start : start + step].copy_(src[start : start + step])
+        table._replace_store(slots[0])
+    except BaseException:
+        for s in slots:
+            s.close()
+        raise
+    return list(slots[1:])
 
 
 def resolve_named_parameter(model: torch.nn.Module, variable_name: str) -> torch.nn.Parameter:
@@ -440,12 +554,16 @@ class OptimizerSwitch:
         if self.pager is not None:
             for t in self.pager.tables.values():
                 t.close()
+        from ._model import switch_for
+
+        sw = switch_for(self.param)
         self.pager = StatePager(
             self.optimizer,
             self.param,
             self.total_classes,
             placement=self._placement,
             dtype=self._dtype,
+            table=sw.table if sw is not None else None,
         )
 
     def _need_pager(self) -> StatePager:
