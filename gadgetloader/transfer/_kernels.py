@@ -78,6 +78,21 @@ struct ScatterArgs {
     long long mode, n;
 };
 
+// q = k / d, r = k - q * d; with 32-bit arithmetic when everything fits (64-bit division
+// is emulated and costs several times more instructions per vector moved)
+__device__ __forceinline__ void divmod(long long k, long long d, bool small, long long& q,
+                                       long long& r)
+{
+    if (small) {
+        const unsigned int uq = (unsigned int)k / (unsigned int)d;
+        q = uq;
+        r = k - (long long)uq * d;
+    } else {
+        q = k / d;
+        r = k - q * d;
+    }
+}
+
 template <typename V>
 __device__ __forceinline__ void gather_rows(const GatherArgs& a)
 {
@@ -86,6 +101,7 @@ __device__ __forceinline__ void gather_rows(const GatherArgs& a)
     const long long span = a.vpr * a.segs;
     const long long total = a.n * span;
     const long long stride = (long long)blockDim.x * gridDim.x;
+    const bool small = total + stride * UNROLL < 4294967296LL;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += stride * UNROLL) {
         V v[UNROLL];
@@ -95,10 +111,9 @@ __device__ __forceinline__ void gather_rows(const GatherArgs& a)
             const long long k = i + u * stride;
             dst[u] = nullptr;
             if (k < total) {
-                const long long j = k / span;
-                const long long cc = k - j * span;
-                const long long s = cc / a.vpr;
-                const long long c = cc - s * a.vpr;
+                long long j, cc, s = 0, c;
+                divmod(k, span, small, j, cc);
+                if (a.segs > 1) divmod(cc, a.vpr, small, s, c); else c = cc;
                 const long long r = a.ids[j];
                 dst[u] = (V*)a.out[y + s] + (a.pos ? a.pos[j] : j) * a.vpr + c;
                 v[u] = (r >= 0 && r < a.n_rows) ? src[r * a.pitch + cc] : V();  // never read outside
@@ -119,6 +134,7 @@ __device__ __forceinline__ void scatter_rows(const ScatterArgs& a)
     const long long span = a.vpr * a.segs;
     const long long total = a.n * span;
     const long long stride = (long long)blockDim.x * gridDim.x;
+    const bool small = total + stride * UNROLL < 4294967296LL;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += stride * UNROLL) {
         V v[UNROLL];
@@ -128,14 +144,14 @@ __device__ __forceinline__ void scatter_rows(const ScatterArgs& a)
             const long long k = i + u * stride;
             to[u] = nullptr;
             if (k < total) {
-                const long long j = k / span;
-                const long long cc = k - j * span;
+                long long j, cc;
+                divmod(k, span, small, j, cc);
                 const long long r = a.ids[j];
                 // mode 1: ids sorted stably; a repeat that a later entry overwrites is skipped
                 const bool wins = a.mode == 0 || j + 1 == a.n || a.ids[j + 1] != r;
                 if (wins && r >= 0 && r < a.n_rows) {  // never write outside
-                    const long long s = cc / a.vpr;
-                    const long long c = cc - s * a.vpr;
+                    long long s = 0, c = cc;
+                    if (a.segs > 1) divmod(cc, a.vpr, small, s, c);
                     v[u] = ((const V*)a.rows[y + s])[(a.pos ? a.pos[j] : j) * a.vpr + c];
                     to[u] = table + r * a.pitch + cc;
                 }
