@@ -26,6 +26,8 @@ from .._device import cuda_available, cupy_available, resolve_device
 from .._errors import GadgetTypeError, GadgetValueError
 from .._ids import as_ids, check_range
 from ..gadget import DataGadget
+from ..stores import Store
+from ..transfer import _engine, _kernels
 from ._sampler import chunk_rows_of, sampler_ids_bound
 
 __all__ = ["GadgetBatch", "GadgetDataset"]
@@ -253,24 +255,33 @@ class GadgetDataset(Dataset[Any]):
         plan = self._plan
         if plan is None or plan[0] is not target or not _plan_valid(plan[1]):
             plan = self._make_plan(target)
-        first_ids: torch.Tensor | None = None
-        first_win: _OrderWindow | None = None
+        last_ids: torch.Tensor | None = None
+        last_win: _OrderWindow | None = None
         out = []
-        for g, store, win in plan[1]:
+        for step in plan[1]:
+            win = step.window
             if win is None:  # the store takes CPU ids
                 dev_ids = ids.cpu() if ids.is_cuda else ids
-            elif win is first_win and first_ids is not None:
-                dev_ids = first_ids  # another column on the same device
+            elif win is last_win and last_ids is not None:
+                dev_ids = last_ids  # another column on the same device
             else:
                 sliced = win.slice(ids) if own else None
                 dev_ids = sliced if sliced is not None else _ids_on(ids, win.device)
-                first_ids, first_win = dev_ids, win
-            out.append(store.gather(dev_ids, target, strategy=g._strategy))
+                last_ids, last_win = dev_ids, win
+            route = step.route
+            view = step.view() if route is not _STORE else None
+            if view is None:  # the store's general gather (which also reports a closed store)
+                out.append(step.store.gather(dev_ids, target, strategy=step.strategy))
+            elif route is _KERNEL:
+                out.append(_kernel_gather(view, step.row_shape, dev_ids))
+            else:
+                out.append(_host_gather(view, step.row_shape, dev_ids, target))
         return GadgetBatch(out)
 
     def _make_plan(self, target: torch.device) -> tuple[torch.device, list[_Step]]:
-        """Per column: its store and, where the store takes ids on a GPU, that device's
-        order window (None: CPU ids). Checked once, reused while every store stays."""
+        """Per column: its store, where the store takes ids (a device's order window, or
+        None for CPU ids) and how its rows move (see :func:`_route`). Checked once, reused
+        while every column keeps its store (open) and strategy."""
         steps: list[_Step] = []
         for i, g in enumerate(self._columns):
             store = g.store
@@ -286,9 +297,23 @@ class GadgetDataset(Dataset[Any]):
                     "or a 'pinned' / 'cpu' column"
                 )
             where = store.ids_device(target)
-            steps.append((g, store, None if where.type == "cpu" else self._window(where)))
+            win = None if where.type == "cpu" else self._window(where)
+            route = _route(store, g._strategy, target)
+            if route is not _STORE and (route is _HOST) != (win is None):
+                route = _STORE  # the ids would arrive where the route cannot use them
+            steps.append(_Step(g, store, g._strategy, win, route))
         self._plan = (target, steps)
         return self._plan
+
+    def _routes(self) -> tuple[str, ...]:
+        """How each column's rows move to the target in this process (making the plan
+        if needed): ``'kernel'`` (one launch of the row kernel, nothing else), ``'host'``
+        (CPU indexing of the host view) or ``'store'`` (the store's general gather)."""
+        target = _CPU if _worker_info() is not None else self._device
+        plan = self._plan
+        if plan is None or plan[0] is not target or not _plan_valid(plan[1]):
+            plan = self._make_plan(target)
+        return tuple(step.route for step in plan[1])
 
     def _window(self, device: torch.device) -> _OrderWindow:
         win = self._windows.get(device)
@@ -347,13 +372,103 @@ class GadgetDataset(Dataset[Any]):
 
 _CPU = torch.device("cpu")
 
-#: one column's part of a gather: (gadget, its store, the ids' GPU window or None for CPU ids)
-_Step = tuple[DataGadget, Any, "_OrderWindow | None"]
+#: how a column's rows move (see :func:`_route`)
+_KERNEL, _HOST, _STORE = "kernel", "host", "store"
+
+#: request sizes at which a column's strategy must resolve to the row kernel for the
+#: ``kernel`` route: ``auto`` picks by table size and, past 2 GB, by request size
+#: (1024 ids is its small-request boundary, 65,536 the hybrid one)
+_PROBE_IDS = (1, 1024, 1025, 1 << 16, 1 << 20, 1 << 26)
+
+
+class _Step:
+    """One column's part of a gather, fixed when the plan is made."""
+
+    __slots__ = ("gadget", "store", "strategy", "window", "route", "view", "row_shape")
+
+    def __init__(
+        self,
+        gadget: DataGadget,
+        store: Any,
+        strategy: str,
+        window: _OrderWindow | None,
+        route: str,
+    ) -> None:
+        self.gadget = gadget
+        self.store = store
+        self.strategy = strategy
+        #: the ids' GPU window, or None: the store takes CPU ids
+        self.window = window
+        self.route = route
+        #: the view the route reads (``kernel``: the store's CUDA view, ``host``: its host
+        #: view), fetched per batch rather than kept, so that closing the store frees it
+        self.view: Any = store.device_view if route is _KERNEL else store.host_view
+        self.row_shape = tuple(store.row_shape)
 
 
 def _plan_valid(steps: list[_Step]) -> bool:
-    """Every column still has the store the plan was made for, open."""
-    return all(g._store is store and not store.closed for g, store, _ in steps)
+    """Every column still has the store (open) and the strategy the plan was made for."""
+    for step in steps:
+        g, store = step.gadget, step.store
+        if g._store is not store or store.closed or g._strategy is not step.strategy:
+            return False
+    return True
+
+
+def _route(store: Any, strategy: str, target: torch.device) -> str:
+    """How a column's rows reach ``target``.
+
+    ``kernel``: the store keeps its rows in a CUDA view on ``target`` and its strategy is
+    the row kernel at every request size (``auto`` on a table of at most
+    ``SORT_ABOVE_BYTES``, or ``kernel`` forced; CuPy present). A batch is then an
+    allocation and one kernel launch, exactly what :meth:`Store.gather` would launch,
+    without its per-call bookkeeping. ``host``: the store would index its host view on
+    the CPU (CPU target, or no CUDA view). ``store``: anything else -- file stores, other
+    strategies, a CUDA view on another device -- goes through :meth:`Store.gather`.
+    """
+    if type(store).gather is not Store.gather:  # the store moves rows its own way (files)
+        return _STORE
+    dv, hv = store.device_view(), store.host_view()
+    if target.type == "cuda" and dv is not None:
+        if dv.device != target or dv.dim() == 0:
+            return _STORE
+        try:
+            kernel = all(
+                _engine.resolve_strategy(strategy, dv, n, hv) == "kernel" for n in _PROBE_IDS
+            )
+        except Exception:  # an unknown strategy: the store's gather reports it
+            return _STORE
+        return _KERNEL if kernel else _STORE
+    if hv is not None and hv.dim() > 0:
+        return _HOST
+    return _STORE
+
+
+def _kernel_gather(
+    view: torch.Tensor, row_shape: tuple[int, ...], ids: torch.Tensor
+) -> torch.Tensor:
+    """``view[ids]`` by one launch of the row kernel (``ids``: checked int64 on the view's
+    device); what ``Store.gather`` launches for the ``kernel`` strategy, bit for bit."""
+    if ids.dim() == 1 and ids.is_contiguous():  # a sampler's batch
+        out = view.new_empty(len(ids), *row_shape)
+        _kernels.launch_gather(view, ids, out)
+        return out
+    flat = ids.reshape(-1).contiguous()  # the kernel reads ids densely
+    out = view.new_empty(flat.numel(), *row_shape)
+    _kernels.launch_gather(view, flat, out)
+    return out.view(tuple(ids.shape) + row_shape)
+
+
+def _host_gather(
+    view: torch.Tensor, row_shape: tuple[int, ...], ids: torch.Tensor, target: torch.device
+) -> torch.Tensor:
+    """``view[ids]`` by CPU indexing of a host view (``ids``: checked int64 on the CPU),
+    delivered to ``target``; what ``Store.gather`` does for host tables."""
+    if ids.dim() == 1:
+        rows = torch.index_select(view, 0, ids)
+    else:
+        rows = torch.index_select(view, 0, ids.reshape(-1)).view(tuple(ids.shape) + row_shape)
+    return rows if target.type == "cpu" else rows.to(target)
 
 
 #: ids per upload of a sampler's epoch order to the GPU (2 MiB of int64; 64 batches of 4096)
@@ -399,23 +514,33 @@ class _OrderWindow:
         """``ids`` on the device as a slice of the window (uploading the window that
         starts at them if needed), or None where ``ids`` is not a 1-D slice of an order."""
         base = ids._base
-        if base is None or ids.dim() != 1 or base.dim() != 1 or not base.is_contiguous():
+        if base is None or ids.dim() != 1:
             return None
-        n = int(ids.numel())
+        n = ids.numel()
         if n > 1 and ids.stride(0) != 1:
             return None
-        off = int(ids.storage_offset() - base.storage_offset())
         up = self.current
-        if up is None or base is not up.base or off < up.lo or off + n > up.hi:
+        if up is not None and base is up.base:  # the order in use (checked at its upload)
+            off = int(ids.storage_offset()) - up.origin
+            inside = up.lo <= off and off + n <= up.hi
+        elif base.dim() != 1 or not base.is_contiguous():
+            return None
+        else:
+            off = int(ids.storage_offset() - base.storage_offset())
+            inside = False
+        if up is None or not inside:
+            if off < 0 or off + n > base.numel():
+                return None  # not a slice of the order's elements
             up = self._upload(base, off, n)
         if self.index is not None:
             current = _stream_id(self.index)
             if current != up.stream and current not in up.others:
-                stream = torch.cuda.current_stream(self.device)
+                stream = torch.cuda.current_stream(self.index)
                 stream.wait_event(up.ready)
                 up.ids.record_stream(stream)
                 up.others.append(current)
-        return up.ids[off - up.lo : off - up.lo + n]
+        start = off - up.lo
+        return up.ids[start : start + n]
 
     def _upload(self, base: torch.Tensor, off: int, n: int) -> _Upload:
         hi = min(base.numel(), off + max(n, WINDOW_IDS))
@@ -425,7 +550,7 @@ class _OrderWindow:
             stream = _stream_id(self.index)
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        up = _Upload(base, off, hi, dev_ids, stream, ready, [])
+        up = _Upload(base, int(base.storage_offset()), off, hi, dev_ids, stream, ready, [])
         self.current = up
         self.uploads += 1
         return up
@@ -433,6 +558,7 @@ class _OrderWindow:
 
 class _Upload(NamedTuple):
     base: torch.Tensor
+    origin: int  # the base's storage offset
     lo: int
     hi: int
     ids: torch.Tensor
@@ -464,9 +590,10 @@ def _checked_ids(indices: Any, num_rows: int) -> torch.Tensor:
 
 
 def _ids_on(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Checked ids on ``device``; CPU ids go to the GPU from page-locked memory, asynchronously."""
+    """Checked ids on ``device``, contiguous (the row kernel reads them densely); CPU ids go
+    to the GPU from page-locked memory, asynchronously."""
     if ids.device == device:
-        return ids
+        return ids if ids.is_contiguous() else ids.contiguous()
     if device.type == "cuda" and ids.device.type == "cpu":
         if not ids.is_pinned():
             staged = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
