@@ -214,3 +214,51 @@ def test_interleaved_table_saves_and_loads_in_place(host_placement: str, tmp_pat
     with pytest.raises(GadgetValueError, match="30, 4"):
         emb.table.load(tmp_path / "wrong.npy")
     np.testing.assert_array_equal(emb.table.numpy(), saved)
+
+
+def _switcher_run(placement: str, order: str, steps: int = 4) -> list[np.ndarray]:
+    """Train one word2vec-like table with SpeedTorch's protocol; return table and states."""
+    from gadgetloader.switching import ModelFactory, OptimizerFactory
+
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"u": torch.nn.Embedding(1, 4)}).to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    sw = ModelFactory(model["u"], 40, 4, placement=placement, duplicates="merge")
+    sw.uniformDistributionInit(-1.0, 1.0)
+    osw = OptimizerFactory(opt, 40, 4, model, "u", placement=placement)
+    osw.optInit()
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        ids = torch.randint(0, 40, (12,), generator=gen).to(dev)
+        local = sw.beforeForwardPass(ids)
+        osw.beforeForwardPass(ids)
+        opt.zero_grad()
+        (model["u"](local) ** 2).sum().backward()
+        opt.step()
+        if order == "model-first":
+            sw.afterOptimizerStep(ids)
+            osw.afterOptimizerStep(ids)
+        else:
+            osw.afterOptimizerStep(ids)
+            sw.afterOptimizerStep(ids)
+    out = [sw.table.numpy().copy(), *(t.numpy().copy() for t in osw.tables.values())]
+    out.append(np.array([isinstance(sw.table.store, SlotStore)]))
+    return out
+
+
+def test_switchers_interleave_and_match_separate_tables(
+    host_placement: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = _switcher_run(host_placement, "model-first")
+    b = _switcher_run(host_placement, "optimizer-first")
+    assert a[-1][0] and b[-1][0]  # both interleaved
+    from gadgetloader.switching import _optim
+
+    monkeypatch.setattr(_optim, "interleave_ok", lambda *args, **kw: False)
+    c = _switcher_run(host_placement, "model-first")
+    assert not c[-1][0]
+    for x, y, z in zip(a[:-1], b[:-1], c[:-1], strict=True):
+        np.testing.assert_array_equal(x, z)
+        np.testing.assert_array_equal(y, z)
+    assert not np.array_equal(c[1], np.zeros_like(c[1]))  # the states were trained

@@ -132,6 +132,10 @@ class ModelSwitch:
         self._cache = PlanCache()
         self._capacity = 0
         self._loaded: RowPlan | None = None
+        #: the optimizer switcher's pager when its states are interleaved with the table
+        self._pager: Any = None
+        #: (plan, state rows) gathered with the rows, for the optimizer switcher
+        self._prefetched: tuple[RowPlan, list[torch.Tensor]] | None = None
         _REGISTRY[self.param] = weakref.ref(self)  # a strong value would keep the key alive
 
     # ---- facts -------------------------------------------------------------------
@@ -249,9 +253,16 @@ class ModelSwitch:
         dev = self.device
         n, cap = plan.num_rows, self.capacity_for(plan)
         rows = torch.empty((cap, *store.row_shape), dtype=store.dtype, device=dev)
+        state_stores = self._state_stores()
+        states = [torch.empty((cap, *s.row_shape), dtype=s.dtype, device=dev) for s in state_stores]
         gather_stores(
-            [store], plan.ids.to(store.ids_device(dev)), dev, [rows[:n]], ids_sorted=plan.distinct
+            [store, *state_stores],
+            plan.ids.to(store.ids_device(dev)),
+            dev,
+            [rows[:n], *(s[:n] for s in states)],
+            ids_sorted=plan.distinct,
         )
+        self._prefetched = (plan, states) if states else None
         if cap > n:
             rows[n:].zero_()  # padding rows: no id maps to them, their gradient is zero
         self.param.data = rows
@@ -259,6 +270,19 @@ class ModelSwitch:
         self._loaded = plan
         local = split_local(plan)
         return local[0] if len(local) == 1 else (local[0], local[1])
+
+    def _state_stores(self) -> list[Any]:
+        """The optimizer-state stores interleaved with the table (empty if none)."""
+        pager = self._pager
+        if pager is None or not pager.interleaved:
+            return []
+        stores = [t.store for t in pager.tables.values()]
+        return [] if any(s.closed for s in stores) else stores
+
+    def take_prefetched(self, plan: RowPlan) -> list[torch.Tensor] | None:
+        """The state rows gathered with ``plan``'s rows (once), else None."""
+        pre, self._prefetched = self._prefetched, None
+        return pre[1] if pre is not None and pre[0] is plan else None
 
     def capacity_for(self, plan: RowPlan) -> int:
         """Rows of the model variable for ``plan``: never fewer than it had, nor than the
@@ -294,6 +318,16 @@ class ModelSwitch:
         rows = rows[:n]
         if rows.dtype != store.dtype:
             rows = rows.to(store.dtype)
+        pager = self._pager
+        if (
+            pager is not None
+            and self._state_stores()
+            and pager.loaded_plan is plan
+            and pager.stored_plan is not plan
+        ):
+            # the optimizer has stepped this plan's state: rows and state go back together
+            pager.store_back(plan, with_table=(store, rows))
+            return
         store.scatter(plan.ids.to(store.ids_device(rows.device)), rows, unique=plan.distinct)
 
     # ---- whole table -------------------------------------------------------------

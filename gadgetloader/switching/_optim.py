@@ -266,6 +266,9 @@ class StatePager:
         )
         #: whether the state tables share their rows with the parameter's table
         self.interleaved = slots is not None
+        #: the plan whose rows the optimizer state holds, and the plan last written back
+        self.loaded_plan: RowPlan | None = None
+        self.stored_plan: RowPlan | None = None
         for i, key in enumerate(self.layout.row_keys):
             init = self.layout.init_rows[key]
             self._zero_init[key] = bool((init == 0).all().item()) if init.numel() else True
@@ -304,31 +307,32 @@ class StatePager:
         With ``capacity`` (> the plan's rows) the state tensors get that many rows,
         the extra ones holding a fresh row's state (padding of the model variable).
         All state tables move in one fused gather where their placement allows.
-        ``prefetched``: the plan's state rows, one tensor per state table, already
-        gathered (with the table's rows, by a forward); used as they are.
+        ``prefetched``: the plan's state rows, one tensor of ``capacity`` rows per state
+        table, already gathered (with the table's rows, by the model's side) into their
+        first ``plan.num_rows`` rows; used in place.
         """
         state = self.optimizer.state[self.param]
         dev = self.param.device
         n = plan.num_rows
         cap = n if capacity is None else max(n, capacity)
         stores = [t.store for t in self.tables.values()]
+        self.loaded_plan, self.stored_plan = plan, None
         if (
             prefetched is not None
-            and cap == n
             and len(prefetched) == len(stores)
-            and all(p.shape[0] == n and p.device == dev for p in prefetched)
+            and all(
+                p.shape[0] == cap and p.device == dev and p.dtype == s.dtype
+                for p, s in zip(prefetched, stores, strict=True)
+            )
         ):
-            for key, rows in zip(self.tables, prefetched, strict=True):
-                init = self.layout.init_rows[key]
-                state[key] = rows if rows.dtype == init.dtype else rows.to(init.dtype)
-            for key, value in self.layout.init_scalars.items():
-                if key not in state:
-                    state[key] = _snapshot(value)
-            return
-        full = [torch.empty((cap, *s.row_shape), dtype=s.dtype, device=dev) for s in stores]
-        if stores:
-            ids = plan.ids.to(stores[0].ids_device(dev))
-            gather_stores(stores, ids, dev, outs=[r[:n] for r in full], ids_sorted=plan.distinct)
+            full = list(prefetched)
+        else:
+            full = [torch.empty((cap, *s.row_shape), dtype=s.dtype, device=dev) for s in stores]
+            if stores:
+                ids = plan.ids.to(stores[0].ids_device(dev))
+                gather_stores(
+                    stores, ids, dev, outs=[r[:n] for r in full], ids_sorted=plan.distinct
+                )
         for (key, store), rows in zip(zip(self.tables, stores, strict=True), full, strict=True):
             init = self.layout.init_rows[key]
             if cap > n:
@@ -355,6 +359,7 @@ class StatePager:
         if with_table is not None:
             stores.append(with_table[0])
             rows_out.append(with_table[1][: plan.num_rows])
+        self.stored_plan = plan
         for key, table in self.tables.items():
             rows = state.get(key)
             if rows is None:
@@ -550,7 +555,14 @@ class OptimizerSwitch:
         return dict(self._need_pager().tables)
 
     def optInit(self) -> None:
-        """Create the state tables, filled as torch initialises a fresh parameter's state."""
+        """Create the state tables, filled as torch initialises a fresh parameter's state.
+
+        Where the model switcher's table lives in host RAM (``pinned`` / ``cpu``) with
+        the states' placement and dtype, the table moves into one buffer with its state
+        tables, rows side by side (see :class:`StatePager`). The model switcher's
+        ``beforeForwardPass`` then gathers each row's state with the row, and its
+        ``afterOptimizerStep`` writes both back (this switcher's own calls then find
+        the work done); the protocol and the results are unchanged."""
         if self.pager is not None:
             for t in self.pager.tables.values():
                 t.close()
@@ -565,6 +577,9 @@ class OptimizerSwitch:
             dtype=self._dtype,
             table=sw.table if sw is not None else None,
         )
+        if sw is not None:
+            # interleaved: the model switcher moves each row's state with the row itself
+            sw._pager = self.pager if self.pager.interleaved else None
 
     def _need_pager(self) -> StatePager:
         if self.pager is None:
@@ -598,9 +613,18 @@ class OptimizerSwitch:
         if sw is None:
             self._own_cache.clear()  # a step starts from the ids as they are now
         plan = self._plan(retrievedPosIndexes, retrievedNegIndexes)
-        pager.load(plan, sw.capacity_for(plan) if sw is not None else int(plan.local.numel()))
+        prefetched = sw.take_prefetched(plan) if sw is not None else None
+        pager.load(
+            plan,
+            sw.capacity_for(plan) if sw is not None else int(plan.local.numel()),
+            prefetched=prefetched,
+        )
 
     def afterOptimizerStep(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:
-        """Scatter the updated state rows back into the tables."""
+        """Scatter the updated state rows back into the tables (unless the model switcher's
+        ``afterOptimizerStep`` already wrote them with the rows, see ``optInit``)."""
         pager = self._need_pager()
-        pager.store_back(self._plan(retrievedPosIndexes, retrievedNegIndexes))
+        plan = self._plan(retrievedPosIndexes, retrievedNegIndexes)
+        if pager.interleaved and pager.stored_plan is plan:
+            return
+        pager.store_back(plan)
