@@ -96,12 +96,19 @@ def plan_rows(
         ends = _ends_buffer()
         ends.copy_(torch.stack(torch.aminmax(flat)), non_blocking=True)
         done = torch.cuda.current_stream(flat.device).record_event()
-        uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        # int32 keys halve the radix sort's passes (ids out of int32 range are refused below)
+        narrow = flat.to(torch.int32) if num_rows <= _INT32_ROWS else flat
+        uniq, inverse = torch.unique(narrow, sorted=True, return_inverse=True)
+        uniq = uniq.to(torch.int64)
         done.synchronize()  # already complete: unique synchronised after it
         lo, hi = ends.tolist()
         if lo < 0 or hi >= num_rows:
             check_range(torch.tensor([lo, hi]), num_rows)  # raises with the usual message
     return RowPlan(uniq, inverse.reshape(-1), shapes, True)
+
+
+#: tables of up to this many rows take the int32 sort in :func:`plan_rows`
+_INT32_ROWS = 2**31 - 1
 
 
 class _Ends(threading.local):
