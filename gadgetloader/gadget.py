@@ -13,7 +13,7 @@ from . import io as _io
 from ._device import resolve_device
 from ._dtypes import as_torch_dtype, dtype_name, numpy_dtype
 from ._errors import GadgetError, GadgetTypeError, GadgetValueError
-from ._ids import as_ids
+from ._ids import as_ids, start_range_check
 from .stores import Store, empty_store
 from .stores._base import gather_many as gather_stores
 from .stores._base import scatter_many as scatter_stores
@@ -338,16 +338,28 @@ class DataGadget:
         Raises
         ------
         GadgetIndexError
-            A negative id or one ``>= len(self)`` (nothing is read).
+            A negative id or one ``>= len(self)``: nothing outside the table is read,
+            the table is unchanged, and no rows are returned (for CUDA ids the check
+            runs alongside the gather; an ``out`` tensor may then hold partial rows).
         GadgetTypeError
             Non-integer ids.
         """
         self._store.check_open()
         dev = self._delivery_device(device)
-        ids = as_ids(indexes, len(self), self._store.ids_device(dev), check=check_ids)
+        where = self._store.ids_device(dev)
+        # CUDA ids for a GPU gather: the check's two numbers travel back while the kernel
+        # runs (it never reads outside the table), then a bad id raises before the rows
+        # are returned
+        overlap = check_ids and where.type == "cuda" and _is_cuda_tensor(indexes)
+        ids = as_ids(indexes, len(self), where, check=check_ids and not overlap)
         if out is not None:
             _check_out(out, (*ids.shape, *self.row_shape), self.dtype, dev)
-        return self._store.gather(ids, dev, out=out, strategy=self._strategy)
+        if not overlap:
+            return self._store.gather(ids, dev, out=out, strategy=self._strategy)
+        finish = start_range_check(ids, len(self))
+        rows = self._store.gather(ids, dev, out=out, strategy=self._strategy)
+        finish()
+        return rows
 
     def _delivery_device(self, device: Any) -> torch.device:
         dev = self._device if device is None else resolve_device(device)
@@ -618,6 +630,10 @@ class DataGadget:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+def _is_cuda_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_cuda
 
 
 def _fused_group(gadgets: Any) -> list[DataGadget]:
