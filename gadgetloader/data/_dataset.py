@@ -110,6 +110,12 @@ class GadgetDataset(Dataset[Any]):
     host-to-device copy of the ids (from page-locked memory, asynchronous) and
     one gather per column, all queued on the current CUDA stream; with
     ``pinned`` columns the gather is a GPU kernel reading host RAM in place.
+    The dataset decides once per column how its rows move: a ``cuda`` or ``pinned``
+    table that its strategy gathers with the row kernel at every batch size
+    (``auto`` up to 2 GB, or ``strategy='kernel'``) costs one allocation and one
+    kernel launch per batch, with nothing of the general gather's per-call work
+    (same bytes); ``cpu`` tables are indexed directly; file tables and other
+    strategies take the store's own gather.
 
     ``__getitems__`` returns ``[GadgetBatch]``: torch's ``default_collate`` hands
     the batch through unchanged, so the default form needs no ``collate_fn``. A
@@ -428,8 +434,9 @@ def _route(store: Any, strategy: str, target: torch.device) -> str:
     """
     if type(store).gather is not Store.gather:  # the store moves rows its own way (files)
         return _STORE
-    dv, hv = store.device_view(), store.host_view()
-    if target.type == "cuda" and dv is not None:
+    hv = store.host_view()
+    dv = store.device_view() if target.type == "cuda" else None  # no CUDA in a worker
+    if dv is not None:
         if dv.device != target or dv.dim() == 0:
             return _STORE
         try:
@@ -450,7 +457,7 @@ def _kernel_gather(
     """``view[ids]`` by one launch of the row kernel (``ids``: checked int64 on the view's
     device); what ``Store.gather`` launches for the ``kernel`` strategy, bit for bit."""
     if ids.dim() == 1 and ids.is_contiguous():  # a sampler's batch
-        out = view.new_empty(len(ids), *row_shape)
+        out = view.new_empty(ids.shape[0], *row_shape)
         _kernels.launch_gather(view, ids, out)
         return out
     flat = ids.reshape(-1).contiguous()  # the kernel reads ids densely
