@@ -170,3 +170,45 @@ def test_leaving_a_pass_early_restarts_that_epoch_whatever_the_read_ahead(
     again = [b[0].long().tolist() for b in loader]
     assert again == epoch0  # like a bare sampler: the unfinished epoch restarts
     assert [b[0].long().tolist() for b in loader] == epoch1  # a finished one moves on
+
+
+class _NoIter:
+    def __iter__(self) -> None:
+        raise AssertionError("the DataLoader was iterated")
+
+
+@pytest.mark.parametrize("coalesce", [1, 3])
+def test_without_workers_the_sampler_is_read_directly(table: np.ndarray, coalesce: int) -> None:
+    ds = dataset("cpu", torch.device("cpu"), table)
+    ref = as_lists(list(DataLoader(ds, batch_sampler=GadgetSampler(ds, batch_size=16, seed=8))))
+    loader = GadgetLoader(ds, batch_size=16, seed=8, coalesce=coalesce)
+    loader._dataloader = _NoIter()  # type: ignore[assignment]
+    assert as_lists(list(loader)) == ref  # DataLoader's batches, without DataLoader
+    pinned = GadgetLoader(ds, batch_size=16, seed=8, pin_memory=True)
+    pinned._dataloader = _NoIter()  # type: ignore[assignment]
+    with pytest.raises(AssertionError, match="iterated"):
+        list(pinned)  # pinning is DataLoader's work: it stays in the loop
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("coalesce", [1, 4])
+def test_consumer_may_switch_streams_within_a_group(table: np.ndarray, coalesce: int) -> None:
+    """Each stream that takes a batch waits for its gather and guards its memory, also when
+    the consumer changes streams between the views of one coalesced gather."""
+    ds = GadgetDataset(table, np.arange(N), device="cuda")
+    expected = as_lists(list(DataLoader(ds, batch_sampler=GadgetSampler(ds, batch_size=8, seed=4))))
+    streams = [torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.current_stream()]
+    kept = []
+    loader = GadgetLoader(ds, batch_size=8, seed=4, prefetch=2, coalesce=coalesce)
+    it = iter(loader)
+    for k in range(len(expected)):
+        stream = streams[k % 3]
+        with torch.cuda.stream(stream):
+            x, ids = next(it)
+            torch.cuda._sleep(200_000)  # a slow step: later gathers run meanwhile
+            kept.append(GadgetBatch([x.clone(), ids.clone()]))
+            del x, ids
+    with pytest.raises(StopIteration):
+        next(it)
+    torch.cuda.synchronize()
+    assert as_lists(kept) == expected
