@@ -37,7 +37,12 @@ def test_pipeline_bench_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     methods = {(r["source"], r["method"]) for r in report["results"]}
     assert ("npy mmap", "(a) torch per-sample DataLoader") in methods
     memory = [r for r in report["results"] if r["source"].startswith("memory")]
-    assert {m["method"][:3] for m in memory} == {"(b)", "(c)", "(d)"}
+    assert {m["method"][:3] for m in memory} == {"(b)", "(c)", "(d)", "(e)"}
+    routes = report["routes"]
+    memory_label = next(k for k in routes if k.startswith("memory"))
+    assert routes[memory_label] == (["kernel"] if "pinned" in memory_label else ["host"])
+    assert all(v is None or v > 0 for v in report["sampler_us_per_batch"].values())
+    assert "column routes:" in out
     for r in report["results"]:
         assert r["check"] == "ok", r
         assert r["rows_per_s"] > 0 and r["GBps"] > 0

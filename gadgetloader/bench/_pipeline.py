@@ -5,9 +5,12 @@
 pin_memory=True)`` with 0 workers and the best of a few worker counts, then
 ``.cuda()``; (b) ``DataLoader(GadgetDataset)``, the default form; (c) the fast form
 with a :class:`~gadgetloader.GadgetSampler` as batch sampler; (d)
-:class:`~gadgetloader.GadgetLoader` with GPU prefetch. (b)-(d) run over the table
-in RAM (``pinned``; ``cpu`` without CUDA) and file-backed (``placement='file'``,
-where that placement exists).
+:class:`~gadgetloader.GadgetLoader` with GPU prefetch; (e) the dataset's own share of
+(c): ``__getitems__`` on each sampler batch, without DataLoader. (b)-(e) run over the
+table in RAM (``pinned``; ``cpu`` without CUDA) and file-backed (``placement='file'``,
+where that placement exists). The report also gives each source's column routes (see
+``GadgetDataset``: ``kernel`` is one launch per batch) and the sampler's own time per
+batch.
 
 Every row of the table encodes its own row number in its first three elements,
 so each method's first batch is checked against the file with NumPy before it
@@ -136,6 +139,30 @@ def _first(batch: Any) -> torch.Tensor:
     return batch[0] if isinstance(batch, (tuple, list)) else batch
 
 
+def _dataset_calls(ds: Any, sampler: Any) -> Iterator[Any]:
+    """What (c)'s DataLoader asks of the dataset, without DataLoader: one ``__getitems__``
+    per sampler batch."""
+    for ids in sampler:
+        yield ds.__getitems__(ids)[0]
+
+
+def _sampler_us(sampler: Any, seconds: float) -> float | None:
+    """CPU microseconds per batch of iterating ``sampler`` alone: the batches after each
+    pass's first (which may wait for the epoch's order)."""
+    done, spent, t_end = 0, 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        it = iter(sampler)
+        if next(it, None) is None:
+            break
+        t0 = time.perf_counter()
+        n = sum(1 for _ in it)
+        spent += time.perf_counter() - t0
+        done += n
+        if n == 0:
+            break
+    return spent / done * 1e6 if done else None
+
+
 def _time_method(
     make_iter: Callable[[], Iterable[Any]],
     move: Callable[[Any], torch.Tensor],
@@ -189,6 +216,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     timing = {"batch": B, "batches": args.batches, "seconds": args.seconds, "repeats": args.repeats}
     results: list[dict[str, Any]] = []
     skipped: list[str] = []
+    routes: dict[str, list[str]] = {}
+    sampler_us: dict[str, float | None] = {}
     tmp = tempfile.mkdtemp(prefix="gadgetloader-pipeline-", dir=args.dir)
     try:
         path = os.path.join(tmp, "table.npy")
@@ -301,6 +330,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         functools.partial(_same, gl),
                         first_col,
                     )
+                    own = GadgetSampler(ds, batch_size=B, order=order, seed=args.seed)
+                    record(
+                        label,
+                        f"(e) __getitems__ per sampler batch, no DataLoader ({order})",
+                        functools.partial(_dataset_calls, ds, own),
+                        first_col,
+                    )
+                    sampler_us[f"{label} {order}"] = _sampler_us(own, min(args.seconds, 0.5))
+                routes[label] = list(ds._routes())
                 del ds
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -338,6 +376,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "link": link,
         "results": results,
+        "routes": routes,
+        "sampler_us_per_batch": sampler_us,
         "summary": summary,
         "skipped": skipped,
     }
@@ -387,6 +427,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if summary["memory_fast_of_limit"]
             else ""
         )
+    )
+    print(
+        "column routes: "
+        + "; ".join(f"{k}: {', '.join(v)}" for k, v in routes.items())
+        + " | sampler alone: "
+        + "; ".join(f"{k}: {v:.1f} us/batch" for k, v in sampler_us.items() if v is not None)
     )
     for s in skipped:
         print(f"skipped: {s}")
