@@ -140,3 +140,22 @@ def test_wrong_cuda_device_data_is_refused_when_several_gpus() -> None:
     g = gl.DataGadget((10, 2), placement="pinned")
     with pytest.raises(gl.GadgetTypeError):
         g.insertData(torch.ones(1, 2, device="cuda:1"), [0])
+
+
+@pytest.mark.gpu
+@NEEDS_CUPY
+@pytest.mark.parametrize("strategy", ["kernel", "sorted", "torch"])
+def test_strided_cuda_ids_gather_and_scatter_the_right_rows(strategy: str) -> None:
+    """A strided view of CUDA ids (every other id) must move the rows it names: the
+    kernels read ids densely, so the engine makes them contiguous first."""
+    src = np.random.default_rng(2).standard_normal((500, 16)).astype(np.float32)
+    g = gl.DataGadget(src, placement="pinned", strategy=strategy)
+    ids = torch.randperm(500, device="cuda")[:200]
+    strided = ids[::2]
+    assert not strided.is_contiguous()
+    np.testing.assert_array_equal(g.getData(strided).cpu().numpy(), src[strided.cpu().numpy()])
+    rows = torch.full((100, 16), 3.0, device="cuda")
+    g.insertData(rows, strided)
+    want = src.copy()
+    want[strided.cpu().numpy()] = 3.0
+    np.testing.assert_array_equal(g.numpy(), want)

@@ -222,7 +222,7 @@ def gather_many(
             assert host is not None
             _hybrid_gather(table, host, flat, out)
         return results
-    flat = flat.to(first.device)
+    flat = flat.to(first.device).contiguous()  # the kernels read ids densely
     if how == "torch":
         for table, out in zip(tables, flat_outs, strict=True):
             torch.index_select(table, 0, flat, out=out)
@@ -304,7 +304,7 @@ def scatter_many(
         raise GadgetValueError(f"got {len(tables)} tables but {len(rows)} row tensors")
     _check_fused(tables)
     first = tables[0]
-    flat = ids.reshape(-1).to(first.device)
+    flat = ids.reshape(-1).to(first.device).contiguous()  # the kernels read ids densely
     n = flat.numel()
     if n == 0 or math.prod(first.shape[1:]) == 0:
         return
