@@ -49,7 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=_DTYPES, help="table dtype")
     p.add_argument("--batch", type=int, default=4096, help="rows per batch (default 4096)")
     p.add_argument(
-        "--batches", type=int, default=200, help="timed batches per run, at most (default 200)"
+        "--batches",
+        type=int,
+        default=1024,
+        help="timed batches per run, at most (default 1024: whole epochs of the default table, "
+        "so per-epoch costs such as the next shuffle count in full)",
     )
     p.add_argument(
         "--seconds", type=float, default=2.0, help="stop a timed run after this long (default 2)"

@@ -35,6 +35,13 @@ _MASK64 = (1 << 64) - 1
 #: of the order; larger ones as int32 (half the memory; a batch is then a converted copy)
 WIDE_ORDER_ROWS = 1 << 27
 
+#: epoch orders of up to this many rows are computed two epochs ahead, on two background
+#: threads: a shuffle of 1M rows takes 16-18 ms of one core on the H200 host, longer than
+#: a fast loader takes to use up the epoch (256 batches of 4096 at ~50 us), so one epoch
+#: ahead left the next epoch's first batch waiting for its order (measured: 10-37 us a
+#: batch on average, in stalls of up to 15 ms)
+AHEAD_TWO_ROWS = 1 << 24
+
 #: attribute on an id tensor a sampler made (or on the order its batches are views of):
 #: ``(bound, version)`` -- every id is in ``[0, bound)`` as long as the tensor's version
 #: counter still reads ``version`` (an in-place change bumps it)
@@ -433,7 +440,8 @@ class GadgetSampler(Sampler[Any]):
                     ).start()
                 else:
                     _run_into(fut, _epoch_order, *args)
-            for old in [e for e in self._orders if e not in (epoch, epoch + 1, self._epoch)]:
+            keep = (epoch, epoch + 1, epoch + 2, self._epoch, self._epoch + 1, self._epoch + 2)
+            for old in [e for e in self._orders if e not in keep]:
                 del self._orders[old]
         return fut
 
@@ -480,6 +488,8 @@ class GadgetSampler(Sampler[Any]):
         fut = self._order_future(epoch, background=False)
         order = fut.result() if fut is not None else None
         self._order_future(epoch + 1, background=True)
+        if self._num_rows <= AHEAD_TWO_ROWS:
+            self._order_future(epoch + 2, background=True)
         # the per-batch path: a slice of the epoch order and a few integer operations
         nb, B, s0, n = self._num_batches, self._batch_size, self._share_start, self._num_rows
         full_end = s0 + (nb - 1) * B  # start of the last batch
