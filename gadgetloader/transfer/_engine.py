@@ -132,10 +132,22 @@ def _groups(tables: list[torch.Tensor]) -> list[slice]:
         # slots of one interleaved table: moving them together is what shares the
         # host pages' translations, whatever the size
         step = _kernels.MAX_TABLES
-    else:
-        total = sum(t.numel() * t.element_size() for t in tables)
-        step = _kernels.MAX_TABLES if total <= FUSE_MAX_BYTES else 1
-    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+        return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+    total = sum(t.numel() * t.element_size() for t in tables)
+    step = _kernels.MAX_TABLES if total <= FUSE_MAX_BYTES else 1
+    # one launch needs one row pitch: a run of tables changes group where the pitch changes
+    # (a slot of an interleaved table beside an ordinary table)
+    out: list[slice] = []
+    start = 0
+    for i in range(1, n + 1):
+        if (
+            i == n
+            or i - start == step
+            or _kernels.pitch_nbytes(tables[i]) != _kernels.pitch_nbytes(tables[start])
+        ):
+            out.append(slice(start, i))
+            start = i
+    return out
 
 
 def _check_fused(tables: list[torch.Tensor]) -> None:

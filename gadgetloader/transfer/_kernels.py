@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -215,12 +216,14 @@ def pitch_nbytes(table: torch.Tensor) -> int:
     if table.is_contiguous() or table.shape[0] <= 1:
         return row
     inner = table[0]
-    if inner.numel() > 1 and not inner.is_contiguous():
+    pitch = table.stride(0) * table.element_size()
+    if (inner.numel() > 1 and not inner.is_contiguous()) or pitch < row:
+        # (a stride-0 or overlapping view: rows would alias each other)
         raise ValueError(
-            f"a table's rows must each be contiguous; got strides {tuple(table.stride())} "
-            f"for shape {tuple(table.shape)}"
+            f"a table's rows must each be contiguous and not overlap; got strides "
+            f"{tuple(table.stride())} for shape {tuple(table.shape)}"
         )
-    return max(table.stride(0) * table.element_size(), row)
+    return pitch
 
 
 def segments_of(tables: list[torch.Tensor]) -> bool:
@@ -281,6 +284,29 @@ def _function(device_index: int, unroll: int, name: str) -> tuple[Any, int]:
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+class _Contexts(threading.local):
+    """Devices whose primary CUDA context this thread has made current (once each)."""
+
+    def __init__(self) -> None:
+        self.ready: set[int] = set()
+
+
+_contexts = _Contexts()
+
+
+def _ensure_context(idx: int) -> None:
+    """``cuLaunchKernel`` needs a current context in the calling thread, which a thread
+    that has made no CUDA runtime call yet may lack (CuPy's own launch ensures it too):
+    ``cudaSetDevice`` makes the device's primary context current, keeping the device."""
+    cp = get_cupy("GPU kernels")
+    current = torch.cuda.current_device()
+    cp.cuda.runtime.setDevice(idx)
+    if current != idx:
+        cp.cuda.runtime.setDevice(current)
+    else:
+        _contexts.ready.add(idx)
+
+
 def _launch(
     kernel: tuple[Any, int],
     grid: tuple[int, int],
@@ -295,6 +321,8 @@ def _launch(
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if ptr:
         assert _raw_stream is not None
+        if idx not in _contexts.ready:
+            _ensure_context(idx)
         arg = np.array(words, dtype=np.uint64)  # the struct's bytes, kept alive over the call
         params = np.array([arg.__array_interface__["data"][0]], dtype=np.uint64)
         launch = (
