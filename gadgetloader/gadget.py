@@ -350,7 +350,12 @@ class DataGadget:
         # CUDA ids for a GPU gather: the check's two numbers travel back while the kernel
         # runs (it never reads outside the table), then a bad id raises before the rows
         # are returned
-        overlap = check_ids and where.type == "cuda" and _is_cuda_tensor(indexes)
+        overlap = (
+            check_ids
+            and where.type == "cuda"
+            and _is_cuda_tensor(indexes)
+            and self._gathers_in_kernel(dev, int(indexes.numel()))
+        )
         ids = as_ids(indexes, len(self), where, check=check_ids and not overlap)
         if out is not None:
             _check_out(out, (*ids.shape, *self.row_shape), self.dtype, dev)
@@ -360,6 +365,29 @@ class DataGadget:
         rows = self._store.gather(ids, dev, out=out, strategy=self._strategy)
         finish()
         return rows
+
+    def _gathers_in_kernel(self, dev: torch.device, n: int) -> bool:
+        """Whether a gather of ``n`` ids to ``dev`` runs only the CuPy row kernels, which
+        never read outside the table whatever the ids (so a range check may finish after
+        it). ``torch`` (``index_select``: a device assert) and ``hybrid`` (CPU indexing)
+        must see checked ids first."""
+        from ._device import cupy_available
+        from .transfer import _engine
+
+        store = self._store
+        if type(store).gather is not Store.gather or not cupy_available():
+            return False
+        dv = store.device_view()
+        if dv is None or dev.type != "cuda":
+            return False
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if dv.device.index != index:
+            return False
+        try:
+            how = _engine.resolve_strategy(self._strategy, dv, n, store.host_view())
+        except Exception:
+            return False
+        return how in ("kernel", "sorted")
 
     def _delivery_device(self, device: Any) -> torch.device:
         dev = self._device if device is None else resolve_device(device)
@@ -564,7 +592,9 @@ class DataGadget:
         """Replace the table with a file's contents, keeping the placement.
 
         A table interleaved with its optimizer states (see ``OffloadedOptimizer``)
-        is overwritten in place, and then the file must hold the same shape and dtype.
+        is overwritten in place, and then the file must hold the same shape and dtype;
+        the file is read into a staging copy first (1x the table in ordinary RAM, as a
+        new store would take), so a file that fails part-way leaves the table unchanged.
         """
         if getattr(self._store, "load_in_place", False):
             self._load_in_place(os.fspath(path), dataset, format, progress)
@@ -593,8 +623,20 @@ class DataGadget:
                     f"file must hold {self.shape} {dtype_name(self.dtype)}"
                 )
             self._store.check_writable()
-            self._store.synchronize()
-            _io.load_into(source, self._store, progress=progress)
+            # read into a staging copy first, so a file that fails part-way (a corrupt
+            # chunk) leaves the table as it was, as replacing the store would
+            from .stores import CpuStore
+
+            staging = CpuStore(self.shape, self.dtype)
+            try:
+                _io.load_into(source, staging, progress=progress)
+                self._store.synchronize()
+                rows = staging.host_view()
+                assert rows is not None
+                self._store.write_block(0, rows)
+                self._store.synchronize()
+            finally:
+                staging.close()
         finally:
             source.close()
 

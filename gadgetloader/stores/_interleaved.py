@@ -91,12 +91,33 @@ class SlotStore(Store):
                 self._dev = dv[:, self._slot]
         return self._dev
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickle (or deep-copy) by value as an ordinary ``cpu`` store of this slot's rows:
+        the copy no longer shares rows with the other slots. (A ``pinned`` table's gadget
+        refuses pickling before it gets here.)"""
+        self.check_open()
+        hv = self._host
+        if hv is None or self._placement != "cpu":
+            raise TypeError(
+                f"a {self._placement} table shared with its optimizer state cannot be pickled"
+            )
+        return (_cpu_store_of, (hv.contiguous() if not hv.is_contiguous() else hv.clone(),))
+
     def _release(self) -> None:
         group, self._group = self._group, None
         self._host = None
         self._dev = None
         if group is not None:
             group.release(self._slot)
+
+
+def _cpu_store_of(rows: torch.Tensor) -> Store:
+    from ._memory import CpuStore
+
+    store = CpuStore.__new__(CpuStore)
+    Store.__init__(store, tuple(rows.shape), rows.dtype)
+    store._t = rows
+    return store
 
 
 def interleave(parent: Store) -> list[SlotStore]:
