@@ -134,8 +134,9 @@ class ModelSwitch:
         self._loaded: RowPlan | None = None
         #: the optimizer switcher's pager when its states are interleaved with the table
         self._pager: Any = None
-        #: (plan, state rows) gathered with the rows, for the optimizer switcher
-        self._prefetched: tuple[RowPlan, list[torch.Tensor]] | None = None
+        #: (plan, state rows, pager, its generation) gathered with the rows, for the
+        #: optimizer switcher; stale once that pager writes anything back
+        self._prefetched: tuple[RowPlan, list[torch.Tensor], Any, int] | None = None
         _REGISTRY[self.param] = weakref.ref(self)  # a strong value would keep the key alive
 
     # ---- facts -------------------------------------------------------------------
@@ -262,7 +263,7 @@ class ModelSwitch:
             [rows[:n], *(s[:n] for s in states)],
             ids_sorted=plan.distinct,
         )
-        self._prefetched = (plan, states) if states else None
+        self._prefetched = (plan, states, self._pager, self._pager.generation) if states else None
         if cap > n:
             rows[n:].zero_()  # padding rows: no id maps to them, their gradient is zero
         self.param.data = rows
@@ -280,9 +281,15 @@ class ModelSwitch:
         return [] if any(s.closed for s in stores) else stores
 
     def take_prefetched(self, plan: RowPlan) -> list[torch.Tensor] | None:
-        """The state rows gathered with ``plan``'s rows (once), else None."""
+        """The state rows gathered with ``plan``'s rows (once), else None: also None when
+        they were gathered for another pager or before its last write-back (stale)."""
         pre, self._prefetched = self._prefetched, None
-        return pre[1] if pre is not None and pre[0] is plan else None
+        if pre is None or pre[0] is not plan:
+            return None
+        pager = self._pager
+        if pre[2] is not pager or pager is None or pre[3] != pager.generation:
+            return None
+        return pre[1]
 
     def capacity_for(self, plan: RowPlan) -> int:
         """Rows of the model variable for ``plan``: never fewer than it had, nor than the

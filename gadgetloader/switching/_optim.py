@@ -269,6 +269,8 @@ class StatePager:
         #: the plan whose rows the optimizer state holds, and the plan last written back
         self.loaded_plan: RowPlan | None = None
         self.stored_plan: RowPlan | None = None
+        #: bumped at every write-back: state rows gathered before it are stale
+        self.generation = 0
         for i, key in enumerate(self.layout.row_keys):
             init = self.layout.init_rows[key]
             self._zero_init[key] = bool((init == 0).all().item()) if init.numel() else True
@@ -360,6 +362,7 @@ class StatePager:
             stores.append(with_table[0])
             rows_out.append(with_table[1][: plan.num_rows])
         self.stored_plan = plan
+        self.generation += 1
         for key, table in self.tables.items():
             rows = state.get(key)
             if rows is None:
