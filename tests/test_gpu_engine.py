@@ -159,3 +159,48 @@ def test_strided_cuda_ids_gather_and_scatter_the_right_rows(strategy: str) -> No
     want = src.copy()
     want[strided.cpu().numpy()] = 3.0
     np.testing.assert_array_equal(g.numpy(), want)
+
+
+@pytest.mark.gpu
+@NEEDS_CUPY
+@pytest.mark.parametrize("strategy", ["auto", "kernel", "sorted", "torch", "hybrid"])
+def test_bad_cuda_ids_raise_the_library_error_for_every_strategy(strategy: str) -> None:
+    """getData checks CUDA ids alongside the gather only where the gather is the bounds-
+    checking row kernel; index_select (torch) and CPU indexing (hybrid) get checked ids."""
+    src = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    g = gl.DataGadget(src, placement="pinned", strategy=strategy)
+    for bad in ([3, 64], [-1, 2]):
+        with pytest.raises(gl.GadgetIndexError):
+            g.getData(torch.tensor(bad, device="cuda"))
+    np.testing.assert_array_equal(
+        g.getData(torch.tensor([5, 63], device="cuda")).cpu().numpy(), src[[5, 63]]
+    )
+    np.testing.assert_array_equal(g.numpy(), src)
+
+
+@pytest.mark.gpu
+@NEEDS_CUPY
+def test_a_fresh_thread_launches_without_any_cuda_call_of_its_own() -> None:
+    """cuLaunchKernel needs a current context; a new thread whose only CUDA work is our
+    launch (ids and output made elsewhere, no check) must still get its rows."""
+    import threading
+
+    src = np.random.default_rng(4).standard_normal((300, 32)).astype(np.float32)
+    g = gl.DataGadget(src, placement="pinned", strategy="kernel")
+    ids = torch.tensor([7, 0, 299, 7], device="cuda")
+    out = torch.empty(4, 32, device="cuda")
+    torch.cuda.synchronize()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            g.getData(ids, check_ids=False, out=out)
+            torch.cuda.synchronize()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join()
+    assert not errors, errors
+    np.testing.assert_array_equal(out.cpu().numpy(), src[[7, 0, 299, 7]])

@@ -229,10 +229,21 @@ def _switcher_run(placement: str, order: str, steps: int = 4) -> list[np.ndarray
     osw = OptimizerFactory(opt, 40, 4, model, "u", placement=placement)
     osw.optInit()
     gen = torch.Generator().manual_seed(5)
+    same = torch.randint(0, 40, (12,), generator=gen).to(dev)
     for _ in range(steps):
-        ids = torch.randint(0, 40, (12,), generator=gen).to(dev)
-        local = sw.beforeForwardPass(ids)
-        osw.beforeForwardPass(ids)
+        # "optimizer-before": the optimizer switcher's before-call comes first and the same
+        # id tensor returns every step (a cached plan must not revive stale state rows)
+        ids = (
+            same
+            if order == "optimizer-before"
+            else torch.randint(0, 40, (12,), generator=gen).to(dev)
+        )
+        if order == "optimizer-before":
+            osw.beforeForwardPass(ids)
+            local = sw.beforeForwardPass(ids)
+        else:
+            local = sw.beforeForwardPass(ids)
+            osw.beforeForwardPass(ids)
         opt.zero_grad()
         (model["u"](local) ** 2).sum().backward()
         opt.step()
@@ -262,3 +273,81 @@ def test_switchers_interleave_and_match_separate_tables(
         np.testing.assert_array_equal(x, z)
         np.testing.assert_array_equal(y, z)
     assert not np.array_equal(c[1], np.zeros_like(c[1]))  # the states were trained
+
+
+@pytest.mark.parametrize("optimizer", ["Adam", "Adagrad", "RMSprop"])
+def test_switchers_optimizer_switcher_first_with_the_same_ids_every_step(
+    host_placement: str, optimizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model switcher prefetches state rows; with the optimizer switcher's before-call
+    first they are never taken, and must not be used a step later (they are stale)."""
+    from gadgetloader.switching import _optim
+
+    monkeypatch.setattr(torch.optim, "Adam", getattr(torch.optim, optimizer))
+    a = _switcher_run(host_placement, "optimizer-before", steps=4)
+    monkeypatch.setattr(_optim, "interleave_ok", lambda *args, **kw: False)
+    c = _switcher_run(host_placement, "optimizer-before", steps=4)
+    assert a[-1][0] and not c[-1][0]
+    for x, z in zip(a[:-1], c[:-1], strict=True):
+        np.testing.assert_array_equal(x, z)
+
+
+def test_a_launch_never_mixes_row_pitches() -> None:
+    """Tables fused into one launch share one row pitch: a slot of an interleaved table
+    beside ordinary tables goes in a launch of its own (the kernel takes one pitch)."""
+    from gadgetloader.transfer import _kernels
+
+    wide = torch.zeros(10, 3, 4)
+    a, b = torch.zeros(10, 4), torch.zeros(10, 4)
+    assert _engine._groups([wide[:, 0], a, b]) == [slice(0, 1), slice(1, 3)]
+    assert _engine._groups([a, b, wide[:, 1], wide[:, 2]]) == [slice(0, 2), slice(2, 4)]
+    assert _engine._groups([wide[:, 0], wide[:, 1], wide[:, 2]]) == [slice(0, 3)]
+    with pytest.raises(ValueError, match="not overlap"):
+        _kernels.pitch_nbytes(torch.zeros(1, 8).expand(10, 8))  # rows alias each other
+
+
+def test_interleaved_cpu_table_pickles_and_deep_copies_by_value() -> None:
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    emb = OffloadedEmbedding(30, 4, placement="cpu", device="cpu")
+    OffloadedOptimizer(torch.optim.Adam, [emb], lr=0.1)
+    assert isinstance(emb.table.store, SlotStore)
+    want = emb.table.numpy().copy()
+    again = pickle.loads(pickle.dumps(emb.table))
+    np.testing.assert_array_equal(again.numpy(), want)
+    twin = copy.deepcopy(emb)
+    np.testing.assert_array_equal(twin.table.numpy(), want)
+    twin.table.fill_(0.0)  # a copy by value: the original keeps its rows
+    np.testing.assert_array_equal(emb.table.numpy(), want)
+
+
+def test_a_failed_load_leaves_an_interleaved_table_unchanged(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file that fails part-way (a damaged chunk near its end) must not leave the
+    table half-overwritten: the rows are staged first, as a fresh store would be."""
+    import os
+
+    from gadgetloader.io import _stream
+
+    monkeypatch.setattr(_stream, "STAGING_BYTES", 8 << 10)  # many blocks: the last one fails
+    torch.manual_seed(0)
+    emb = OffloadedEmbedding(4096, 8, placement="cpu", device="cpu")
+    OffloadedOptimizer(torch.optim.Adam, [emb], lr=0.1)
+    src = np.random.default_rng(0).standard_normal((4096, 8)).astype(np.float32)
+    path = tmp_path / "t.zarr"
+    gl.DataGadget(src, placement="cpu").save(path, chunk_rows=256)
+    chunks = sorted(
+        (os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f != "zarr.json"),
+        key=lambda f: [int(x) for x in os.path.relpath(f, path).split(os.sep) if x.isdigit()],
+    )
+    assert len(chunks) == 16
+    with open(chunks[-1], "wb") as f:
+        f.write(b"damaged")
+    before = emb.table.numpy().copy()
+    with pytest.raises(gl.GadgetError):
+        emb.table.load(path)
+    np.testing.assert_array_equal(emb.table.numpy(), before)
+    assert isinstance(emb.table.store, SlotStore)
