@@ -386,6 +386,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     and each table keeps one step count, as torch's ``SparseAdam``. The wrapper is
     a ``torch.optim.Optimizer`` sharing ``param_groups`` and ``state`` with the
     inner optimizer, so learning-rate schedulers work.
+
+    A ``pinned`` (or ``cpu``) table whose optimizer keeps row state (Adam's two
+    moments, Adagrad's sum, ...) is moved, when the optimizer is built, into one
+    buffer with its state tables, row ``i`` of each side by side; the table's
+    :class:`~gadgetloader.DataGadget` stays the same object. A training forward
+    then gathers each row's state with the row, and ``step()`` writes both back, as
+    one wide row per id: one host-page translation per row instead of one per table
+    (see DESIGN.md). The state tables are ``self.pagers[i].tables``.
     """
 
     def __init__(
