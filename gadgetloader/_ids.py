@@ -16,7 +16,14 @@ import torch
 
 from ._errors import GadgetIndexError, GadgetTypeError
 
-__all__ = ["as_ids", "check_range", "last_writer", "LastWriter", "start_range_check"]
+__all__ = [
+    "as_ids",
+    "check_range",
+    "last_writer",
+    "LastWriter",
+    "range_check_of",
+    "start_range_check",
+]
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -99,23 +106,35 @@ class _Ends(threading.local):
 _ends = _Ends()
 
 
-def start_range_check(ids: torch.Tensor, num_rows: int) -> Any:
+def start_range_check(ids: torch.Tensor, num_rows: int, *, private: bool = False) -> Any:
     """Queue the range check of CUDA ``ids`` on the current stream and return a function
     that finishes it (waits for the two numbers, raises :class:`GadgetIndexError` if an
     id is out of range). Work queued in between runs on the GPU while the check's result
-    travels back, so a gather pays no idle round trip for its check."""
+    travels back, so a gather pays no idle round trip for its check.
+
+    ``private=True`` gives the check its own pinned buffer (instead of the thread's one),
+    for a check left pending while others start (a training lookup's deferred check)."""
     if ids.numel() == 0 or not ids.is_cuda:
         check_range(ids, num_rows)
         return _nothing
-    if _ends.buf is None:
-        _ends.buf = torch.empty(2, dtype=torch.int64, pin_memory=True)
-    buf = _ends.buf
+    if private:
+        buf = torch.empty(2, dtype=torch.int64, pin_memory=True)
+    else:
+        if _ends.buf is None:
+            _ends.buf = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        buf = _ends.buf
     buf.copy_(torch.stack(torch.aminmax(ids.reshape(-1))), non_blocking=True)
-    done = torch.cuda.current_stream(ids.device).record_event()
+    return range_check_of(buf, num_rows, torch.cuda.current_stream(ids.device).record_event())
+
+
+def range_check_of(ends: torch.Tensor, num_rows: int, done: Any) -> Any:
+    """A function finishing a range check whose (smallest, largest) id is being copied
+    into the pinned pair ``ends`` by GPU work that the event ``done`` follows: it waits
+    for the event and raises :class:`GadgetIndexError` if an id is out of range."""
 
     def finish() -> None:
         done.synchronize()
-        lo, hi = buf.tolist()
+        lo, hi = ends.tolist()
         if lo < 0 or hi >= num_rows:
             check_range(torch.tensor([lo, hi]), num_rows)  # raises with the usual message
 

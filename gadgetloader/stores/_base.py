@@ -25,7 +25,7 @@ from .._errors import GadgetClosedError, ReadOnlyError
 from .._ids import last_writer
 from ..transfer import _engine
 
-__all__ = ["Store", "gather_many", "scatter_many"]
+__all__ = ["FusedRows", "Store", "gather_many", "scatter_many"]
 
 
 class Store(abc.ABC):
@@ -237,15 +237,33 @@ def gather_many(
     strategy: str = "auto",
     *,
     ids_sorted: bool = False,
+    count: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """The rows at ``ids`` of several stores with the same rows (a table and its optimizer
     states): one fused GPU launch per four stores where they are all CUDA-addressable,
-    else one :meth:`Store.gather` each. ``ids_sorted=True``: the ids are ascending."""
+    else one :meth:`Store.gather` each. ``ids_sorted=True``: the ids are ascending.
+
+    ``count`` (a 1-element int64 tensor, see :func:`gadgetloader.transfer._engine.gather_many`):
+    only the first ``count`` of the 1-D ``ids`` are gathered, the other rows are zeros.
+    The GPU kernels read it on the device; other paths read it back first."""
     outs = [None] * len(stores) if outs is None else list(outs)
     views = _fused_views(stores, device)
     if views is not None:
         hosts = [s.host_view() for s in stores]
-        return _engine.gather_many(views, ids, outs, strategy, hosts, ids_sorted=ids_sorted)
+        return _engine.gather_many(
+            views, ids, outs, strategy, hosts, ids_sorted=ids_sorted, count=count
+        )
+    if count is not None:
+        n = ids.numel()
+        k = max(0, min(int(count.reshape(()).item()), n))
+        full = [
+            torch.empty((n, *s.row_shape), dtype=s.dtype, device=device) if o is None else o
+            for s, o in zip(stores, outs, strict=True)
+        ]
+        for s, o in zip(stores, full, strict=True):
+            o[k:].zero_()
+            s.gather(ids.reshape(-1)[:k], device, out=o[:k], strategy=strategy)
+        return full
     return [
         s.gather(ids, device, out=o, strategy=strategy) for s, o in zip(stores, outs, strict=True)
     ]
@@ -258,18 +276,87 @@ def scatter_many(
     strategy: str = "auto",
     *,
     unique: bool = False,
+    count: torch.Tensor | None = None,
 ) -> None:
     """``store[ids] = rows[k]`` for every store ``k`` (same rows), fused like :func:`gather_many`.
 
-    ``unique=True`` promises distinct ids (see :meth:`Store.scatter`)."""
+    ``unique=True`` promises distinct ids (see :meth:`Store.scatter`). ``count`` (with
+    ``unique``): only the first ``count`` ids and rows are written."""
     device = rows[0].device if rows else torch.device("cpu")
     views = _fused_views(stores, device)
     if views is not None and all(r.device == device for r in rows):
         for s in stores:
             s.check_writable()
         _engine.scatter_many(
-            views, ids, rows, strategy, [s.host_view() for s in stores], unique=unique
+            views,
+            ids,
+            rows,
+            strategy,
+            [s.host_view() for s in stores],
+            unique=unique,
+            count=count,
         )
         return
+    if count is not None:
+        n = ids.numel()
+        k = max(0, min(int(count.reshape(()).item()), n))
+        ids = ids.reshape(-1)[:k]
+        rows = [r.reshape(n, *s.row_shape)[:k] for s, r in zip(stores, rows, strict=True)]
     for s, r in zip(stores, rows, strict=True):
         s.scatter(ids, r, strategy)
+
+
+class FusedRows:
+    """Stores moved together on every training step (a table and its optimizer states),
+    with their CUDA views, launch groups and kernels resolved once (see
+    :class:`~gadgetloader.transfer._kernels.FusedLauncher`): the per-step cost of a
+    gather or scatter of a plan sized on the GPU is then one allocation and one launch
+    per group. :meth:`of` returns None where the stores have no fused GPU path.
+    """
+
+    def __init__(self, stores: list[Store], views: list[torch.Tensor]) -> None:
+        from ..transfer._kernels import FusedLauncher
+
+        self.stores = list(stores)
+        self.groups = [(g, FusedLauncher(views[g])) for g in _engine._groups(views)]
+        self.device = views[0].device
+        self.layouts = [(s.row_shape, s.dtype) for s in stores]
+
+    @classmethod
+    def of(cls, stores: list[Store], device: torch.device) -> FusedRows | None:
+        from .._device import cupy_available
+
+        if device.type != "cuda" or not cupy_available():
+            return None
+        views = _fused_views(stores, device)
+        if views is None:
+            return None
+        how = _engine.resolve_strategy("auto", views[0], 1 << 20, None)
+        return cls(stores, views) if how in ("kernel", "sorted") else None
+
+    def matches(self, stores: list[Store]) -> bool:
+        """Whether this was built for exactly ``stores`` and they are all still open."""
+        return (
+            len(stores) == len(self.stores)
+            and all(a is b for a, b in zip(stores, self.stores, strict=True))
+            and not any(s.closed for s in stores)
+        )
+
+    def gather(self, ids: torch.Tensor, count: torch.Tensor) -> list[torch.Tensor]:
+        """Rows of the first ``count`` of the sorted distinct 1-D ``ids`` (int64 on the
+        device) from every store, the rest zero (see :func:`gather_many`)."""
+        n = ids.numel()
+        outs = [
+            torch.empty((n, *shape), dtype=dtype, device=self.device)
+            for shape, dtype in self.layouts
+        ]
+        for g, launcher in self.groups:
+            launcher.gather(ids, outs[g], count)
+        return outs
+
+    def scatter(self, ids: torch.Tensor, rows: list[torch.Tensor], count: torch.Tensor) -> None:
+        """``store[ids[:count]] = rows[k][:count]`` for every store (distinct ids)."""
+        for st in self.stores:
+            st.check_writable()
+        for g, launcher in self.groups:
+            launcher.scatter(ids, rows[g], count)

@@ -16,14 +16,15 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the torch idiom)
 from torch import nn
 
-from .._device import resolve_device
+from .._device import cupy_available, resolve_device
 from .._dtypes import as_torch_dtype, dtype_name
 from .._errors import GadgetTypeError, GadgetValueError
-from .._ids import as_ids
+from .._ids import as_ids, range_check_of
 from ..gadget import DataGadget
+from ..stores._base import FusedRows
 from ..stores._base import gather_many as gather_stores
 from ._optim import StatePager, supported_name
-from ._rows import RowPlan, plan_rows
+from ._rows import RowPlan, exact_plan, plan_rows, plan_rows_async
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -31,6 +32,47 @@ if TYPE_CHECKING:
 __all__ = ["OffloadedEmbedding", "OffloadedEmbeddingBag", "OffloadedOptimizer"]
 
 _BAG_MODES = ("sum", "mean", "max")
+
+
+class _Lookup(torch.autograd.Function):
+    """``rows[local]`` whose backward sums the gradient rows with the plan's sorted order
+    (:func:`~gadgetloader.transfer._kernels.launch_segment_sum`): the same sums, in the
+    same order, as ``F.embedding``'s CUDA backward, without its synchronisations."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, local: torch.Tensor, plan: RowPlan) -> torch.Tensor:  # type: ignore[override]
+        ctx.plan = plan
+        return rows.index_select(0, local.reshape(-1)).view(*local.shape, rows.shape[1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        from ..transfer._kernels import launch_segment_sum
+
+        plan: RowPlan = ctx.plan
+        assert plan.order is not None and plan.order_local is not None
+        g = grad.reshape(-1, grad.shape[-1]).contiguous()
+        out = torch.empty_like(g)
+        launch_segment_sum(g, plan.order, plan.order_local, out)
+        return out, None, None
+
+
+def _lookup(local: torch.Tensor, rows: torch.Tensor, plan: RowPlan) -> torch.Tensor:
+    """``F.embedding(local, rows)``; for a plan sized on the GPU (float32/float64 rows) with
+    a backward that needs no synchronisation."""
+    if (
+        plan.order is not None
+        and rows.is_cuda
+        and rows.dtype in (torch.float32, torch.float64)
+        and rows.shape[0] == local.numel()
+    ):
+        return _Lookup.apply(rows, local, plan)
+    return F.embedding(local, rows)
+
+
+def _plans_on_device(ids: torch.Tensor) -> bool:
+    """Whether a lookup of ``ids`` builds its row plan on the device (no synchronisation):
+    CUDA ids with the row kernels available (they read the plan's count on the GPU)."""
+    return ids.is_cuda and cupy_available()
 
 
 class _Slot:
@@ -76,7 +118,10 @@ class _OffloadedTable(nn.Module):
         self._slot = _Slot(
             nn.Parameter(torch.empty((0, self.embedding_dim), dtype=td, device=self.compute_device))
         )
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[RowPlan, torch.Tensor]] = []
+        #: range checks of CUDA ids of training lookups, finished (raising on a bad id)
+        #: before the step writes anything
+        self._checks: list[Callable[[], None]] = []
         #: the optimizer-state tables interleaved with the table (set by OffloadedOptimizer):
         #: a training forward then gathers each row's states with it, in the same wide read
         self._state_stores: list[Any] | None = None
@@ -84,6 +129,8 @@ class _OffloadedTable(nn.Module):
         self._forward_states: dict[int, list[torch.Tensor]] = {}
         #: the states of this step's rows when one forward gathered them all
         self._prefetched: list[torch.Tensor] | None = None
+        #: (device, prepared transfer) of the stores a training lookup gathers
+        self._fused: tuple[torch.device, FusedRows] | None = None
         self._attached = False
 
     @property
@@ -101,6 +148,7 @@ class _OffloadedTable(nn.Module):
             param.data = param.data.to(probe.device)
             self._pending.clear()
             self._forward_states.clear()
+            self._checks.clear()
         return out
 
     @property
@@ -114,30 +162,75 @@ class _OffloadedTable(nn.Module):
             f"dtype={dtype_name(self.table.dtype)}, device={str(self.compute_device)!r}"
         )
 
-    def _rows_for(self, input: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Local ids (input's shape) and the leaf tensor of the distinct rows."""
+    def _rows_for(self, input: Any) -> tuple[torch.Tensor, torch.Tensor, RowPlan]:
+        """Local ids (input's shape), the leaf tensor of the distinct rows, and the plan.
+
+        On a CUDA device the plan is built on the GPU (:func:`plan_rows_async`) and the
+        rows are gathered with no synchronisation; the range check of CUDA ids is queued
+        and, for a training lookup, finished by the optimizer's ``step()`` before anything
+        is written (an eval lookup finishes it at once).
+        """
+        cuda_input = bool(getattr(input, "is_cuda", False)) or hasattr(
+            input, "__cuda_array_interface__"
+        )
         ids = as_ids(input, self.num_embeddings, self.compute_device, check=False)
-        plan = plan_rows((ids,), "merge", self.num_embeddings)
         store = self.table.store
         training = torch.is_grad_enabled() and self._attached
         stores = [store, *self._state_stores] if training and self._state_stores else [store]
-        rows, *states = gather_stores(
-            stores,
-            plan.ids.to(store.ids_device(self.compute_device)),
-            self.compute_device,
-            ids_sorted=plan.distinct,
-        )
+        finish = None
+        if _plans_on_device(ids):
+            if cuda_input and ids.is_cuda and ids.numel():  # CPU ids were checked by as_ids
+                # the plan's sort finds the smallest and largest id anyway: they travel to
+                # this pair while the rest of the step is queued
+                ends = torch.empty(2, dtype=torch.int64, pin_memory=True)
+                plan = plan_rows_async((ids,), self.num_embeddings, ends)
+                done = torch.cuda.current_stream(ids.device).record_event()
+                finish = range_check_of(ends, self.num_embeddings, done)
+            else:
+                plan = plan_rows_async((ids,), self.num_embeddings)
+        else:
+            plan = plan_rows((ids,), "merge", self.num_embeddings)
+        fused = self._fused_rows(stores) if plan.n_distinct is not None else None
+        if fused is not None and plan.n_distinct is not None:
+            rows, *states = fused.gather(plan.ids, plan.n_distinct)
+        else:
+            rows, *states = gather_stores(
+                stores,
+                plan.ids.to(store.ids_device(self.compute_device)),
+                self.compute_device,
+                ids_sorted=plan.distinct,
+                count=plan.n_distinct,
+            )
         if training:
+            if finish is not None:
+                self._checks.append(finish)
             rows.requires_grad_(True)
-            self._pending.append((plan.ids, rows))
+            self._pending.append((plan, rows))
             if states:
                 self._forward_states[id(rows)] = states
-        return plan.local.view(ids.shape), rows
+        elif finish is not None:
+            finish()
+        return plan.local.view(ids.shape), rows, plan
+
+    def _fused_rows(self, stores: list[Any]) -> FusedRows | None:
+        """The prepared fused transfer of ``stores`` (rebuilt when they change)."""
+        cached = self._fused
+        if cached is not None and cached[0] == self.compute_device and cached[1].matches(stores):
+            return cached[1]
+        fused = FusedRows.of(stores, self.compute_device)
+        self._fused = None if fused is None else (self.compute_device, fused)
+        return fused
+
+    def _finish_checks(self) -> None:
+        """Finish the pending range checks of this step's lookups (raises on a bad id)."""
+        checks, self._checks = self._checks, []
+        for finish in checks:
+            finish()
 
     # ---- used by OffloadedOptimizer ------------------------------------------------
     def _take_step_rows(self, sparse: bool) -> RowPlan | None:
         """Merge this step's forward calls into the per-step parameter and its gradient."""
-        pending = [(ids, rows) for ids, rows in self._pending if rows.grad is not None]
+        pending = [(plan, rows) for plan, rows in self._pending if rows.grad is not None]
         self._pending.clear()
         forward_states, self._forward_states = self._forward_states, {}
         self._prefetched = None
@@ -146,26 +239,31 @@ class _OffloadedTable(nn.Module):
             param.grad = None
             return None
         if len(pending) == 1:
-            ids, rows = pending[0]
+            plan, rows = pending[0]
             # one forward gathered exactly this step's rows: its state rows are current
             # (nothing writes a table's state between its forward and its step)
             self._prefetched = forward_states.get(id(rows))
             data, grad = rows.detach(), rows.grad
-            plan = RowPlan(ids, ids, ((ids.numel(),),), True)
         else:
-            all_ids = torch.cat([ids for ids, _ in pending])
+            # several lookups this step: merge their rows (their counts read back)
+            parts = []
+            for plan, rows in pending:
+                k = plan.num_rows if plan.n_distinct is None else exact_plan(plan).num_rows
+                assert rows.grad is not None
+                parts.append((plan.ids[:k], rows.detach()[:k], rows.grad[:k]))
+            pending_rows = [(ids, data_k, grad_k) for ids, data_k, grad_k in parts]
+            all_ids = torch.cat([ids for ids, _, _ in pending_rows])
             uniq, inverse = torch.unique(all_ids, sorted=True, return_inverse=True)
             data = torch.empty(
                 (uniq.numel(), self.embedding_dim), dtype=param.dtype, device=param.device
             )
             grad = torch.zeros_like(data)
             start = 0
-            for ids, rows in pending:
+            for ids, data_k, grad_k in pending_rows:
                 where = inverse[start : start + ids.numel()]
                 start += ids.numel()
-                data.index_copy_(0, where, rows.detach())
-                assert rows.grad is not None
-                grad.index_add_(0, where, rows.grad)
+                data.index_copy_(0, where, data_k)
+                grad.index_add_(0, where, grad_k)
             plan = RowPlan(uniq, inverse, ((all_ids.numel(),),), True)
         assert grad is not None
         param.data = data
@@ -181,6 +279,13 @@ class _OffloadedTable(nn.Module):
 
     def _has_pending_grads(self) -> bool:
         return any(rows.grad is not None for _, rows in self._pending)
+
+    def _drop_step(self) -> None:
+        """Forget this step's lookups (after a bad id was reported)."""
+        self._pending.clear()
+        self._forward_states.clear()
+        self._checks.clear()
+        self._prefetched = None
 
     def _clear_grads(self) -> None:
         for _, rows in self._pending:
@@ -277,8 +382,8 @@ class OffloadedEmbedding(_OffloadedTable):
         )
 
     def forward(self, input: Any) -> torch.Tensor:
-        local, rows = self._rows_for(input)
-        return F.embedding(local, rows)
+        local, rows, plan = self._rows_for(input)
+        return _lookup(local, rows, plan)
 
 
 class OffloadedEmbeddingBag(_OffloadedTable):
@@ -318,7 +423,7 @@ class OffloadedEmbeddingBag(_OffloadedTable):
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        local, rows = self._rows_for(input)
+        local, rows, _ = self._rows_for(input)
         if local.dim() == 1 and offsets is None:
             raise GadgetValueError(
                 "a 1-D input needs offsets (or pass a 2-D input: one bag per row)"
@@ -449,6 +554,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         ``GradScaler.step`` (mixed precision) or gradient clipping over
         ``[p for g in opt.param_groups for p in g["params"]]``.
         """
+        try:
+            for m in self.tables:
+                m._finish_checks()
+        except Exception:
+            for m in self.tables:  # nothing was written: the step's rows are dropped
+                m._drop_step()
+            raise
         old = self._prepared or [None] * len(self.tables)
         plans: list[RowPlan | None] = []
         for m, before in zip(self.tables, old, strict=True):

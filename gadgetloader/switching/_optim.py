@@ -27,9 +27,10 @@ import torch
 from .._errors import GadgetKeyError, GadgetTypeError, GadgetValueError
 from ..gadget import DataGadget
 from ..stores import Store
+from ..stores._base import FusedRows
 from ..stores._base import gather_many as gather_stores
 from ..stores._base import scatter_many as scatter_stores
-from ._rows import PlanCache
+from ._rows import PlanCache, exact_plan
 
 if TYPE_CHECKING:
     from ._rows import RowPlan
@@ -271,6 +272,8 @@ class StatePager:
         self.stored_plan: RowPlan | None = None
         #: bumped at every write-back: state rows gathered before it are stale
         self.generation = 0
+        #: (device, prepared fused transfer) of the last write-back's stores
+        self._fused: tuple[torch.device, FusedRows] | None = None
         for i, key in enumerate(self.layout.row_keys):
             init = self.layout.init_rows[key]
             self._zero_init[key] = bool((init == 0).all().item()) if init.numel() else True
@@ -333,7 +336,12 @@ class StatePager:
             if stores:
                 ids = plan.ids.to(stores[0].ids_device(dev))
                 gather_stores(
-                    stores, ids, dev, outs=[r[:n] for r in full], ids_sorted=plan.distinct
+                    stores,
+                    ids,
+                    dev,
+                    outs=[r[:n] for r in full],
+                    ids_sorted=plan.distinct,
+                    count=plan.n_distinct,
                 )
         for (key, store), rows in zip(zip(self.tables, stores, strict=True), full, strict=True):
             init = self.layout.init_rows[key]
@@ -375,14 +383,30 @@ class StatePager:
         if not stores:
             return
         where = rows_out[0].device
+        if plan.n_distinct is not None and all(r.device == where for r in rows_out):
+            fused = self._fused_rows(stores, where)
+            if fused is not None:
+                fused.scatter(plan.ids, rows_out, plan.n_distinct)
+                return
         ids = plan.ids.to(stores[0].ids_device(where))
         if all(r.device == where for r in rows_out) and all(
             s.ids_device(where) == ids.device for s in stores
         ):
-            scatter_stores(stores, ids, rows_out, unique=plan.distinct)
+            scatter_stores(stores, ids, rows_out, unique=plan.distinct, count=plan.n_distinct)
         else:
+            exact = exact_plan(plan)
+            k = exact.num_rows
             for s, r in zip(stores, rows_out, strict=True):
-                s.scatter(plan.ids.to(s.ids_device(r.device)), r)
+                s.scatter(exact.ids.to(s.ids_device(r.device)), r[:k])
+
+    def _fused_rows(self, stores: list[Store], device: torch.device) -> FusedRows | None:
+        """The prepared fused transfer of ``stores`` (rebuilt when they change)."""
+        cached = self._fused
+        if cached is not None and cached[0] == device and cached[1].matches(stores):
+            return cached[1]
+        fused = FusedRows.of(stores, device)
+        self._fused = None if fused is None else (device, fused)
+        return fused
 
     def scalar_state(self) -> dict[str, Any]:
         """The scalar entries (``step``, ...) torch keeps for the parameter."""

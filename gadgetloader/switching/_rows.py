@@ -22,7 +22,15 @@ import torch
 
 from .._ids import check_range
 
-__all__ = ["DUPLICATE_MODES", "PlanCache", "RowPlan", "plan_rows", "split_local"]
+__all__ = [
+    "DUPLICATE_MODES",
+    "PlanCache",
+    "RowPlan",
+    "exact_plan",
+    "plan_rows",
+    "plan_rows_async",
+    "split_local",
+]
 
 #: ``merge``: one local row per distinct id (exact); ``separate``: one row per position
 DUPLICATE_MODES: tuple[str, ...] = ("merge", "separate")
@@ -48,10 +56,18 @@ class RowPlan(NamedTuple):
     shapes: tuple[tuple[int, ...], ...]
     #: True when ``ids`` are distinct (``merge``): scatters then skip merging repeats
     distinct: bool = False
+    #: a plan sized on the GPU (:func:`plan_rows_async`): the number of distinct ids as a
+    #: 1-element int64 tensor; ``ids`` then holds one entry per batch position, the
+    #: distinct ids first and, after them, copies of the largest id (padding rows)
+    n_distinct: torch.Tensor | None = None
+    #: with ``n_distinct``: the batch positions in ascending id order (a stable sort) ...
+    order: torch.Tensor | None = None
+    #: ... and the local row of each of them (ascending)
+    order_local: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
-        """Rows of the per-step variable."""
+        """Rows of the per-step variable (with ``n_distinct``: its capacity, padding included)."""
         return int(self.ids.numel())
 
 
@@ -105,6 +121,62 @@ def plan_rows(
         if lo < 0 or hi >= num_rows:
             check_range(torch.tensor([lo, hi]), num_rows)  # raises with the usual message
     return RowPlan(uniq, inverse.reshape(-1), shapes, True)
+
+
+def plan_rows_async(
+    parts: tuple[torch.Tensor, ...], num_rows: int, ends: torch.Tensor | None = None
+) -> RowPlan:
+    """The ``merge`` plan of int64 id tensors on one device, built without a GPU->CPU
+    synchronisation: its row count stays on the device.
+
+    The per-step variable gets one row per batch position (its *capacity*): the distinct
+    ids in ascending order come first, and the rest are padding rows (their ids repeat the
+    largest id; the row kernels read ``n_distinct`` and neither read nor write them: a
+    gather zero-fills them). Local ids are as :func:`plan_rows` gives. The ids are not
+    range-checked here: ``ends`` (a pinned int64 pair), if given, receives the smallest
+    and largest id, copied on the stream (see :func:`gadgetloader._ids.start_range_check`).
+
+    On CUDA (up to :data:`KERNEL_PLAN_MAX` ids) one sort and one kernel build the plan;
+    elsewhere a few torch operations do.
+    """
+    shapes = tuple(tuple(p.shape) for p in parts)
+    flat = parts[0].reshape(-1) if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])
+    n = flat.numel()
+    if n == 0:
+        return plan_rows(parts, "merge")
+    sorted_ids, order = torch.sort(flat, stable=True)
+    if flat.is_cuda and n <= KERNEL_PLAN_MAX:
+        from ..transfer._kernels import launch_plan
+
+        out = torch.empty(3 * n + 3, dtype=torch.int64, device=flat.device)
+        launch_plan(sorted_ids, order, out)
+        order_local, local, ids = out[:n], out[n : 2 * n], out[2 * n : 3 * n]
+        count, lo_hi = out[3 * n : 3 * n + 1], out[3 * n + 1 :]
+    else:
+        # the local row of each sorted position: how many distinct ids come before it
+        order_local = torch.zeros(n, dtype=torch.int64, device=flat.device)
+        if n > 1:
+            torch.cumsum(torch.ne(sorted_ids[1:], sorted_ids[:-1]), 0, out=order_local[1:])
+        local = torch.empty_like(order_local).scatter_(0, order, order_local)
+        ids = sorted_ids[-1:].expand(n).clone().scatter_(0, order_local, sorted_ids)
+        count = order_local[-1:] + 1
+        lo_hi = sorted_ids[:: max(n - 1, 1)] if n > 1 else sorted_ids.expand(2)
+    if ends is not None:
+        ends.copy_(lo_hi, non_blocking=True)
+    return RowPlan(ids, local, shapes, True, count, order, order_local)
+
+
+#: the one-kernel plan takes up to this many ids (one thread block walks them)
+KERNEL_PLAN_MAX = 1 << 18
+
+
+def exact_plan(plan: RowPlan) -> RowPlan:
+    """``plan`` without padding rows: a plan sized on the GPU has its count read back (one
+    synchronisation) and its ids cut to the distinct ones; other plans come back as they are."""
+    if plan.n_distinct is None:
+        return plan
+    k = int(plan.n_distinct.item())
+    return RowPlan(plan.ids[:k], plan.local, plan.shapes, True)
 
 
 #: tables of up to this many rows take the int32 sort in :func:`plan_rows`

@@ -126,7 +126,22 @@ FUSE_MAX_BYTES = 1 << 31
 def _groups(tables: list[torch.Tensor]) -> list[slice]:
     """Slices of tables that share one launch: up to ``MAX_TABLES`` small tables together,
     large tables (over :data:`FUSE_MAX_BYTES` together) one by one, and the slots of an
-    interleaved table together (up to ``MAX_TABLES`` per launch) whatever their size."""
+    interleaved table together (up to ``MAX_TABLES`` per launch) whatever their size.
+    Cached by the tables' geometry (the same tables move every step)."""
+    key = tuple(_kernels._table_key(t) for t in tables)
+    out = _groups_cache.get(key)
+    if out is None:
+        out = _split_groups(tables)
+        if len(_groups_cache) > 1024:
+            _groups_cache.clear()
+        _groups_cache[key] = out
+    return out
+
+
+_groups_cache: dict[tuple[Any, ...], list[slice]] = {}
+
+
+def _split_groups(tables: list[torch.Tensor]) -> list[slice]:
     n = len(tables)
     if _kernels.segments_of(tables):
         # slots of one interleaved table: moving them together is what shares the
@@ -137,14 +152,11 @@ def _groups(tables: list[torch.Tensor]) -> list[slice]:
     step = _kernels.MAX_TABLES if total <= FUSE_MAX_BYTES else 1
     # one launch needs one row pitch: a run of tables changes group where the pitch changes
     # (a slot of an interleaved table beside an ordinary table)
+    pitches = [_kernels.pitch_nbytes(t) for t in tables]
     out: list[slice] = []
     start = 0
     for i in range(1, n + 1):
-        if (
-            i == n
-            or i - start == step
-            or _kernels.pitch_nbytes(tables[i]) != _kernels.pitch_nbytes(tables[start])
-        ):
+        if i == n or i - start == step or pitches[i] != pitches[start]:
             out.append(slice(start, i))
             start = i
     return out
@@ -190,6 +202,7 @@ def gather_many(
     hosts: list[torch.Tensor | None] | None = None,
     *,
     ids_sorted: bool = False,
+    count: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """The same rows of several tables (a table and its optimizer states) at once.
 
@@ -198,7 +211,10 @@ def gather_many(
     four of them per launch while they total at most :data:`FUSE_MAX_BYTES` (larger
     tables go one launch each). Returns one tensor per table, as :func:`gather`.
     ``ids_sorted=True`` says the ids are already ascending (a switcher's row plan), so
-    the ``sorted`` strategy needs no sort.
+    the ``sorted`` strategy needs no sort. ``count`` (a 1-element int64 tensor on the
+    tables' device, with ``ids_sorted``): only the first ``count`` ids are moved and the
+    other output rows are zero-filled; the row kernels read it on the GPU (no
+    synchronisation), other strategies read it back first.
     """
     tables = _as_list(tables)
     hosts = [None] * len(tables) if hosts is None else _as_list(hosts)
@@ -229,6 +245,17 @@ def gather_many(
         return results
     host0 = hosts[0] if all(h is not None for h in hosts) else None
     how = resolve_strategy(strategy, first, n, host0)
+    if count is not None:
+        if how in ("kernel", "sorted"):
+            flat = flat.to(first.device).contiguous()
+            for g in _groups(tables):
+                _kernels.launch_gather(tables[g], flat, flat_outs[g], None, count=count)
+            return results
+        k = _count_value(count, n)
+        for out in flat_outs:
+            out[k:].zero_()
+        gather_many(tables, flat[:k], [o[:k] for o in flat_outs], how, hosts, ids_sorted=ids_sorted)
+        return results
     if how == "hybrid":
         for table, host, out in zip(tables, hosts, flat_outs, strict=True):
             assert host is not None
@@ -305,10 +332,12 @@ def scatter_many(
     hosts: list[torch.Tensor | None] | None = None,
     *,
     unique: bool = False,
+    count: torch.Tensor | None = None,
 ) -> None:
     """Scatter the same ids into several tables at once (one fused launch per four
     tables up to :data:`FUSE_MAX_BYTES` together, else one per table); ``rows[k]`` goes
-    to ``tables[k]``. Rules as :func:`scatter`."""
+    to ``tables[k]``. Rules as :func:`scatter`. ``count`` (with ``unique=True``): only
+    the first ``count`` ids and rows are written (see :func:`gather_many`)."""
     tables = _as_list(tables)
     rows = _as_list(rows)
     hosts = [None] * len(tables) if hosts is None else _as_list(hosts)
@@ -326,6 +355,18 @@ def scatter_many(
         srcs.append(src if src.is_contiguous() else src.contiguous())
     host0 = hosts[0] if all(h is not None for h in hosts) else None
     how = resolve_strategy(strategy, first, n, host0, kind="scatter")
+    if count is not None:
+        if not unique:
+            raise GadgetValueError("a scatter with a count needs distinct ids (unique=True)")
+        if how in ("kernel", "sorted"):
+            for g in _groups(tables):
+                _kernels.launch_scatter(
+                    tables[g], flat, srcs[g], None, _kernels.SCATTER_ALL, count=count
+                )
+            return
+        k = _count_value(count, n)
+        scatter_many(tables, flat[:k], [r[:k] for r in srcs], how, hosts, unique=True)
+        return
     if unique:
         sorted_ids, pos, mode = flat, None, _kernels.SCATTER_ALL
     else:
@@ -346,6 +387,11 @@ def scatter_many(
         return
     for g in _groups(tables):
         _kernels.launch_scatter(tables[g], sorted_ids, srcs[g], pos, mode)
+
+
+def _count_value(count: torch.Tensor, n: int) -> int:
+    """A device-side count read back (one synchronisation), clamped to ``[0, n]``."""
+    return max(0, min(int(count.reshape(()).item()), n))
 
 
 def _last_of_run(sorted_ids: torch.Tensor) -> torch.Tensor:

@@ -40,8 +40,12 @@ from .._device import cupy_stream, get_cupy
 
 __all__ = [
     "MAX_TABLES",
+    "FusedLauncher",
     "SCATTER_ALL",
     "SCATTER_LAST_OF_RUN",
+    "group_geometry",
+    "launch_plan",
+    "launch_segment_sum",
     "launch_gather",
     "launch_scatter",
     "pitch_nbytes",
@@ -69,14 +73,18 @@ _SOURCE = r"""
 //   with its optimizer states, see DESIGN.md), so a thread walks the whole wide row and
 //   the segment it is in picks the dense buffer: one translation of each host page.
 // pitch: the table's row stride in vectors (>= vpr * segs for an interleaved table).
+// count (may be null): a device-side number of ids to move, read by the kernel so that a
+// row plan built on the GPU needs no synchronisation to learn its size; a gather zero-fills
+// the output rows from *count to n, a scatter writes only the first *count ids.
 struct GatherArgs {
     const void* table[4]; void* out[4];
     long long n_rows, vpr, pitch, segs; const long long* ids; const long long* pos; long long n;
+    const long long* count;
 };
 struct ScatterArgs {
     void* table[4]; const void* rows[4];
     long long n_rows, vpr, pitch, segs; const long long* ids; const long long* pos;
-    long long mode, n;
+    long long mode, n; const long long* count;
 };
 
 // q = k / d, r = k - q * d; with 32-bit arithmetic when everything fits (64-bit division
@@ -101,6 +109,7 @@ __device__ __forceinline__ void gather_rows(const GatherArgs& a)
     const V* __restrict__ src = (const V*)a.table[y];
     const long long span = a.vpr * a.segs;
     const long long total = a.n * span;
+    const long long valid = a.count ? min(max(*a.count, 0LL), a.n) : a.n;
     const long long stride = (long long)blockDim.x * gridDim.x;
     const bool small = total + stride * UNROLL < 4294967296LL;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
@@ -115,7 +124,7 @@ __device__ __forceinline__ void gather_rows(const GatherArgs& a)
                 long long j, cc, s = 0, c;
                 divmod(k, span, small, j, cc);
                 if (a.segs > 1) divmod(cc, a.vpr, small, s, c); else c = cc;
-                const long long r = a.ids[j];
+                const long long r = j < valid ? a.ids[j] : -1;  // rows past the count: zeros
                 dst[u] = (V*)a.out[y + s] + (a.pos ? a.pos[j] : j) * a.vpr + c;
                 v[u] = (r >= 0 && r < a.n_rows) ? src[r * a.pitch + cc] : V();  // never read outside
             }
@@ -133,7 +142,8 @@ __device__ __forceinline__ void scatter_rows(const ScatterArgs& a)
     const int y = blockIdx.y;
     V* __restrict__ table = (V*)a.table[y];
     const long long span = a.vpr * a.segs;
-    const long long total = a.n * span;
+    const long long n = a.count ? min(max(*a.count, 0LL), a.n) : a.n;
+    const long long total = n * span;
     const long long stride = (long long)blockDim.x * gridDim.x;
     const bool small = total + stride * UNROLL < 4294967296LL;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
@@ -149,7 +159,7 @@ __device__ __forceinline__ void scatter_rows(const ScatterArgs& a)
                 divmod(k, span, small, j, cc);
                 const long long r = a.ids[j];
                 // mode 1: ids sorted stably; a repeat that a later entry overwrites is skipped
-                const bool wins = a.mode == 0 || j + 1 == a.n || a.ids[j + 1] != r;
+                const bool wins = a.mode == 0 || j + 1 == n || a.ids[j + 1] != r;
                 if (wins && r >= 0 && r < a.n_rows) {  // never write outside
                     long long s = 0, c = cc;
                     if (a.segs > 1) divmod(cc, a.vpr, small, s, c);
@@ -170,6 +180,100 @@ __device__ __forceinline__ void scatter_rows(const ScatterArgs& a)
 #define GL_DEFINE(SUFFIX, V)                                                         \
 extern "C" __global__ void gl_gather_##SUFFIX(const GatherArgs a) { gather_rows<V>(a); } \
 extern "C" __global__ void gl_scatter_##SUFFIX(const ScatterArgs a) { scatter_rows<V>(a); }
+
+// The gradient of a lookup ``rows[local]`` for a plan sized on the GPU: row r of ``out`` sums
+// the gradient rows of the batch positions whose local id is r (rows past the plan's count:
+// zeros). order: positions in ascending id order (stable), order_local: their local ids.
+// The summation order copies torch's embedding backward on CUDA, so the result is
+// bit-identical to F.embedding's: up to 3072 positions, chunks of 32 consecutive positions
+// are summed first (grouped by position / 32); above, runs of 10 entries of a row's sorted
+// positions are; then the partial sums are added in order. No synchronisation.
+struct SegSumArgs {
+    const void* grad; void* out; const long long* order; const long long* order_local;
+    long long n, dim, by_position;
+};
+
+template <typename T>
+__device__ __forceinline__ void segment_sum(const SegSumArgs& a)
+{
+    const T* __restrict__ grad = (const T*)a.grad;
+    T* __restrict__ out = (T*)a.out;
+    const long long total = a.n * a.dim;
+    const long long count = a.order_local[a.n - 1] + 1;
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const long long j = i / a.dim, f = i - j * a.dim;
+        if (j >= count) out[i] = T(0);  // a padding row
+        const long long r = a.order_local[j];
+        if (j > 0 && a.order_local[j - 1] == r) continue;  // not the first entry of row r
+        T acc = T(0), part = T(0);
+        long long group = a.by_position ? a.order[j] / 32 : 0;
+        for (long long k = j; k < a.n && a.order_local[k] == r; ++k) {
+            const long long p = a.order[k];
+            const long long g = a.by_position ? p / 32 : (k - j) / 10;
+            if (g != group) { acc += part; part = T(0); group = g; }
+            part += grad[p * a.dim + f];
+        }
+        out[r * a.dim + f] = acc + part;
+    }
+}
+
+// A row plan from ids sorted stably (keys) and their positions (order), in one block of
+// 1024 threads walking tiles of 1024 entries: order_local[i] = number of distinct keys
+// before keys[i]; local[order[i]] = order_local[i]; ids[l] = the l-th distinct key, then
+// padding (the largest key) up to n; *count = distinct keys; ends = (smallest, largest).
+struct PlanArgs {
+    const long long* keys; const long long* order; long long* order_local; long long* local;
+    long long* ids; long long* count; long long* ends; long long n;
+};
+
+extern "C" __global__ void __launch_bounds__(1024) gl_plan(const PlanArgs a)
+{
+    __shared__ long long warp_sums[32];
+    __shared__ long long carry;
+    const int t = threadIdx.x, lane = t & 31, w = t >> 5, warps = blockDim.x >> 5;
+    if (t == 0) carry = 0;
+    __syncthreads();
+    for (long long base = 0; base < a.n; base += blockDim.x) {
+        const long long i = base + t;
+        long long x = (i < a.n && i > 0 && a.keys[i] != a.keys[i - 1]) ? 1 : 0;
+        for (int d = 1; d < 32; d <<= 1) {  // inclusive scan within the warp
+            const long long y = __shfl_up_sync(0xffffffffu, x, d);
+            if (lane >= d) x += y;
+        }
+        if (lane == 31) warp_sums[w] = x;
+        __syncthreads();
+        if (w == 0) {  // inclusive scan of the warps' sums
+            long long s = lane < warps ? warp_sums[lane] : 0;
+            for (int d = 1; d < 32; d <<= 1) {
+                const long long y = __shfl_up_sync(0xffffffffu, s, d);
+                if (lane >= d) s += y;
+            }
+            if (lane < warps) warp_sums[lane] = s;
+        }
+        __syncthreads();
+        const long long l = carry + (w > 0 ? warp_sums[w - 1] : 0) + x;
+        if (i < a.n) {
+            a.order_local[i] = l;
+            a.local[a.order[i]] = l;
+            a.ids[l] = a.keys[i];
+        }
+        __syncthreads();
+        if (t == blockDim.x - 1) carry = l;
+        __syncthreads();
+    }
+    const long long count = carry + 1;
+    const long long last = a.keys[a.n - 1];
+    if (t == 0) {
+        *a.count = count;
+        a.ends[0] = a.keys[0];
+        a.ends[1] = last;
+    }
+    for (long long j = count + t; j < a.n; j += blockDim.x) a.ids[j] = last;
+}
+
+extern "C" __global__ void gl_segsum_f4(const SegSumArgs a) { segment_sum<float>(a); }
+extern "C" __global__ void gl_segsum_f8(const SegSumArgs a) { segment_sum<double>(a); }
 
 GL_DEFINE(16, uint4)
 GL_DEFINE(8, uint2)
@@ -289,6 +393,11 @@ class _Contexts(threading.local):
 
     def __init__(self) -> None:
         self.ready: set[int] = set()
+        #: the kernel's struct argument (8-byte words) and the one-entry parameter array
+        #: pointing at it, reused by every launch of this thread
+        self.args = np.zeros(32, dtype=np.uint64)
+        self.params = np.array([self.args.__array_interface__["data"][0]], dtype=np.uint64)
+        self.params_ptr = int(self.params.__array_interface__["data"][0])
 
 
 _contexts = _Contexts()
@@ -313,6 +422,7 @@ def _launch(
     words: list[int],
     struct: np.dtype,
     device: torch.device,
+    block: int = BLOCK,
 ) -> None:
     """Launch on torch's current stream of ``device`` with as little Python as possible:
     this runs once per batch, and its cost bounds the rate of small transfers. ``words``
@@ -323,11 +433,12 @@ def _launch(
         assert _raw_stream is not None
         if idx not in _contexts.ready:
             _ensure_context(idx)
-        arg = np.array(words, dtype=np.uint64)  # the struct's bytes, kept alive over the call
-        params = np.array([arg.__array_interface__["data"][0]], dtype=np.uint64)
+        # the struct's bytes in this thread's argument buffer: cuLaunchKernel copies the
+        # parameters before it returns, so the buffer is free again after the call
+        args = _contexts.args
+        args[: len(words)] = words
         launch = (
-            ptr, grid[0], grid[1], 1, BLOCK, 1, 1, 0, _raw_stream(idx),
-            params.__array_interface__["data"][0], 0,
+            ptr, grid[0], grid[1], 1, block, 1, 1, 0, _raw_stream(idx), _contexts.params_ptr, 0,
         )  # fmt: skip
         if torch.cuda.current_device() == idx:
             fn(*launch)
@@ -338,16 +449,29 @@ def _launch(
     packed = np.empty(1, struct)
     packed["w"][0] = words
     with get_cupy("GPU kernels").cuda.Device(idx), cupy_stream(device):
-        fn(grid, (BLOCK,), (packed,))
+        fn(grid, (block,), (packed,))
 
 
-def _check_group(tables: list[torch.Tensor], others: list[torch.Tensor]) -> int:
-    """Validate a fused group; return the row size in bytes."""
-    if not 1 <= len(tables) <= MAX_TABLES or len(others) != len(tables):
-        raise ValueError(
-            f"a fused launch takes 1..{MAX_TABLES} tables with one buffer each; "
-            f"got {len(tables)} tables and {len(others)} buffers"
-        )
+def _table_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
+#: geometry of table groups already validated, by their tables' pointers, shapes,
+#: strides and dtypes: a step moves the same tables every time, and recomputing pitches
+#: and segment layouts in Python cost more CPU than the launch itself (measured)
+_geometry_cache: dict[tuple[Any, ...], tuple[int, int, int]] = {}
+
+
+def group_geometry(tables: list[torch.Tensor]) -> tuple[int, int, int]:
+    """(row bytes, row pitch in bytes, segments) of a fused group of tables, validated:
+    ``segments`` is ``len(tables)`` when they are consecutive slots of one interleaved
+    table (see :func:`segments_of`), else 1. Cached by the tables' geometry."""
+    key = tuple(_table_key(t) for t in tables)
+    geom = _geometry_cache.get(key)
+    if geom is not None:
+        return geom
+    if not 1 <= len(tables) <= MAX_TABLES:
+        raise ValueError(f"a fused launch takes 1..{MAX_TABLES} tables; got {len(tables)}")
     first = tables[0]
     row_nbytes = _row_nbytes(first)
     pitch = pitch_nbytes(first)
@@ -362,10 +486,25 @@ def _check_group(tables: list[torch.Tensor], others: list[torch.Tensor]) -> int:
                 "fused tables must have the same row pitch; got "
                 f"{pitch} and {pitch_nbytes(t)} bytes"
             )
+    geom = (row_nbytes, pitch, len(tables) if segments_of(tables) else 1)
+    if len(_geometry_cache) > 1024:
+        _geometry_cache.clear()
+    _geometry_cache[key] = geom
+    return geom
+
+
+def _check_group(tables: list[torch.Tensor], others: list[torch.Tensor]) -> tuple[int, int, int]:
+    """Validate a fused group and its dense buffers; return :func:`group_geometry`."""
+    if len(others) != len(tables):
+        raise ValueError(
+            f"a fused launch takes 1..{MAX_TABLES} tables with one buffer each; "
+            f"got {len(tables)} tables and {len(others)} buffers"
+        )
+    geom = group_geometry(tables)
     for o in others:
         if not o.is_contiguous():
             raise ValueError("the dense row buffers of a launch must be contiguous")
-    return row_nbytes
+    return geom
 
 
 def _pointer_args(tensors: list[torch.Tensor]) -> list[int]:
@@ -373,17 +512,31 @@ def _pointer_args(tensors: list[torch.Tensor]) -> list[int]:
     return ptrs + [ptrs[0]] * (MAX_TABLES - len(ptrs))  # unused slots: never selected
 
 
-#: the kernels' argument structs as raw 8-byte words (GatherArgs: 15, ScatterArgs: 16)
-_GATHER_ARGS = np.dtype([("w", np.uint64, (15,))])
-_SCATTER_ARGS = np.dtype([("w", np.uint64, (16,))])
+#: the kernels' argument structs as raw 8-byte words (GatherArgs: 16, ScatterArgs: 17)
+_GATHER_ARGS = np.dtype([("w", np.uint64, (16,))])
+_SCATTER_ARGS = np.dtype([("w", np.uint64, (17,))])
+
+
+def _count_ptr(count: torch.Tensor | None, device: torch.device) -> int:
+    """The device pointer of a 1-element int64 count on ``device`` (0: no count)."""
+    if count is None:
+        return 0
+    if count.dtype != torch.int64 or count.numel() != 1 or count.device != device:
+        raise ValueError(
+            f"count must be a 1-element int64 tensor on {device}; got {count.numel()} "
+            f"{count.dtype} on {count.device}"
+        )
+    return int(count.data_ptr())
 
 
 def _layout(
-    tables: list[torch.Tensor], bufs: list[torch.Tensor], row_nbytes: int, max_vector: int
+    tables: list[torch.Tensor],
+    bufs: list[torch.Tensor],
+    geom: tuple[int, int, int],
+    max_vector: int,
 ) -> tuple[int, int, int, int, int]:
     """(vector bytes, vectors per row, row pitch in vectors, segments, grid rows)."""
-    pitch = pitch_nbytes(tables[0])
-    segs = len(tables) if segments_of(tables) else 1
+    row_nbytes, pitch, segs = geom
     w = min(
         max_vector,
         vector_width(row_nbytes, pitch, *(t.data_ptr() for t in tables + bufs)),
@@ -399,8 +552,12 @@ def launch_gather(
     *,
     unroll: int = UNROLL,
     max_vector: int = 16,
+    count: torch.Tensor | None = None,
 ) -> None:
     """``out[pos[j]] = table[ids[j]]`` (``out[j]`` when ``pos`` is None) for every ``j``.
+
+    ``count``: a 1-element int64 CUDA tensor; only the first ``count`` ids are read
+    and the output rows of the others are zero-filled (a plan sized on the GPU).
 
     ``table`` and ``out`` may be lists (up to :data:`MAX_TABLES`, same row count and
     row size): the same ids are gathered from every table in one launch. An id
@@ -412,12 +569,12 @@ def launch_gather(
     """
     tables = table if isinstance(table, list) else [table]
     outs = out if isinstance(out, list) else [out]
-    row_nbytes = _check_group(tables, outs)
+    geom = _check_group(tables, outs)
     n = ids.numel()
-    if n == 0 or row_nbytes == 0:
+    if n == 0 or geom[0] == 0:
         return
     device = outs[0].device
-    w, vpr, pitch, segs, gy = _layout(tables, outs, row_nbytes, max_vector)
+    w, vpr, pitch, segs, gy = _layout(tables, outs, geom, max_vector)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     _launch(
         _function(idx, unroll, f"gl_gather_{w}"),
@@ -432,6 +589,7 @@ def launch_gather(
             ids.data_ptr(),
             0 if pos is None else pos.data_ptr(),
             n,
+            _count_ptr(count, device),
         ],
         _GATHER_ARGS,
         device,
@@ -444,8 +602,12 @@ def launch_scatter(
     rows: torch.Tensor | list[torch.Tensor],
     pos: torch.Tensor | None = None,
     mode: int = SCATTER_ALL,
+    *,
+    count: torch.Tensor | None = None,
 ) -> None:
     """``table[ids[j]] = rows[pos[j]]`` (``rows[j]`` when ``pos`` is None).
+
+    ``count``: a 1-element int64 CUDA tensor; only the first ``count`` ids are written.
 
     ``mode`` :data:`SCATTER_ALL` writes every entry (the ids must be distinct, or a
     repeated row's bytes may mix); :data:`SCATTER_LAST_OF_RUN` expects ids sorted
@@ -455,12 +617,12 @@ def launch_scatter(
     """
     tables = table if isinstance(table, list) else [table]
     srcs = rows if isinstance(rows, list) else [rows]
-    row_nbytes = _check_group(tables, srcs)
+    geom = _check_group(tables, srcs)
     n = ids.numel()
-    if n == 0 or row_nbytes == 0:
+    if n == 0 or geom[0] == 0:
         return
     device = srcs[0].device
-    w, vpr, pitch, segs, gy = _layout(tables, srcs, row_nbytes, 16)
+    w, vpr, pitch, segs, gy = _layout(tables, srcs, geom, 16)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     _launch(
         _function(idx, SCATTER_UNROLL, f"gl_scatter_{w}"),
@@ -476,7 +638,191 @@ def launch_scatter(
             0 if pos is None else pos.data_ptr(),
             mode,
             n,
+            _count_ptr(count, device),
         ],
         _SCATTER_ARGS,
         device,
     )
+
+
+#: SegSumArgs: 7 words
+_SEGSUM_ARGS = np.dtype([("w", np.uint64, (7,))])
+
+#: torch's CUDA embedding backward sums by chunks of positions up to this many lookups
+#: (and by runs of a row's sorted positions above): the segment sum copies it
+_BY_POSITION_MAX = 3072
+
+
+def launch_segment_sum(
+    grad: torch.Tensor, order: torch.Tensor, order_local: torch.Tensor, out: torch.Tensor
+) -> None:
+    """``out[r] = sum of grad[p] over the positions p whose local row is r``, rows past the
+    plan's count zero-filled, in the summation order of torch's CUDA embedding backward
+    (bit-identical to ``F.embedding``'s gradient), without a synchronisation.
+
+    ``grad`` and ``out``: contiguous float32/float64 CUDA tensors of shape (n, dim);
+    ``order``/``order_local``: a :class:`~gadgetloader.switching._rows.RowPlan`'s.
+    """
+    n = order.numel()
+    dim = grad.shape[1] if grad.dim() == 2 else 0
+    if grad.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"the segment sum takes float32 or float64; got {grad.dtype}")
+    if (
+        tuple(grad.shape) != (n, dim)
+        or tuple(out.shape) != (n, dim)
+        or out.dtype != grad.dtype
+        or not (grad.is_contiguous() and out.is_contiguous())
+    ):
+        raise ValueError(
+            f"grad and out must be contiguous ({n}, dim) tensors of one dtype; got "
+            f"{tuple(grad.shape)} {grad.dtype} and {tuple(out.shape)} {out.dtype}"
+        )
+    if n == 0 or dim == 0:
+        return
+    device = grad.device
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    name = "gl_segsum_f4" if grad.dtype == torch.float32 else "gl_segsum_f8"
+    _launch(
+        _function(idx, UNROLL, name),
+        (max(1, min(-(-(n * dim) // BLOCK), _max_blocks(idx))), 1),
+        [
+            grad.data_ptr(),
+            out.data_ptr(),
+            order.data_ptr(),
+            order_local.data_ptr(),
+            n,
+            dim,
+            1 if n <= _BY_POSITION_MAX else 0,
+        ],
+        _SEGSUM_ARGS,
+        device,
+    )
+
+
+#: PlanArgs: 8 words
+_PLAN_ARGS = np.dtype([("w", np.uint64, (8,))])
+
+#: the one-block plan kernel walks tiles of this many ids
+PLAN_BLOCK = 1024
+
+
+def launch_plan(keys: torch.Tensor, order: torch.Tensor, out: torch.Tensor) -> None:
+    """A row plan from int64 ``keys`` sorted stably and their positions ``order`` (both
+    1-D, length n >= 1, contiguous, on one CUDA device) into ``out``, an int64 tensor of
+    3n + 3 entries: ``order_local``, ``local``, ``ids`` (n each), the count, and the
+    smallest and largest key. One launch, no synchronisation (see ``gl_plan``)."""
+    n = keys.numel()
+    if (
+        n < 1
+        or keys.dtype != torch.int64
+        or order.dtype != torch.int64
+        or out.dtype != torch.int64
+        or order.numel() != n
+        or out.numel() != 3 * n + 3
+        or not (keys.is_contiguous() and order.is_contiguous() and out.is_contiguous())
+    ):
+        raise ValueError(
+            f"launch_plan takes n >= 1 contiguous int64 keys and order and 3n + 3 outputs; "
+            f"got {n} {keys.dtype}, {order.numel()} {order.dtype}, {out.numel()} {out.dtype}"
+        )
+    device = keys.device
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    base, step = out.data_ptr(), out.element_size()
+    _launch(
+        _function(idx, UNROLL, "gl_plan"),
+        (1, 1),
+        [
+            keys.data_ptr(),
+            order.data_ptr(),
+            base,
+            base + n * step,
+            base + 2 * n * step,
+            base + 3 * n * step,
+            base + (3 * n + 1) * step,
+            n,
+        ],
+        _PLAN_ARGS,
+        device,
+        PLAN_BLOCK,
+    )
+
+
+class FusedLauncher:
+    """Gathers and scatters of one fixed group of tables (a table and its optimizer states,
+    see :func:`group_geometry`) with the geometry, the vector width and the kernels
+    resolved once: a launch then costs one struct fill and ``cuLaunchKernel``, which
+    matters for a training step that moves a few thousand rows several times.
+
+    Buffers whose pointers break the resolved vector alignment fall back to
+    :func:`launch_gather` / :func:`launch_scatter`.
+    """
+
+    def __init__(self, tables: list[torch.Tensor]) -> None:
+        self.tables = list(tables)
+        self.geometry = group_geometry(self.tables)
+        row_nbytes, pitch, segs = self.geometry
+        self.device = tables[0].device
+        self.index = (
+            self.device.index if self.device.index is not None else torch.cuda.current_device()
+        )
+        self.width = vector_width(row_nbytes, pitch, *(t.data_ptr() for t in self.tables))
+        self.vpr = row_nbytes // self.width
+        self.span = self.vpr * segs
+        self.head = [*_pointer_args(self.tables)]
+        self.tail = [tables[0].shape[0], self.vpr, pitch // self.width, segs]
+        self.grid_y = 1 if segs > 1 else len(self.tables)
+        self._gather = _function(self.index, UNROLL, f"gl_gather_{self.width}")
+        self._scatter = _function(self.index, SCATTER_UNROLL, f"gl_scatter_{self.width}")
+
+    def _aligned(self, bufs: list[torch.Tensor]) -> bool:
+        w = self.width
+        return all(b.data_ptr() % w == 0 and b.is_contiguous() for b in bufs)
+
+    def gather(self, ids: torch.Tensor, outs: list[torch.Tensor], count: torch.Tensor) -> None:
+        """As :func:`launch_gather` with ``count`` (contiguous int64 ``ids`` on the device)."""
+        n = ids.numel()
+        if n == 0 or self.geometry[0] == 0:
+            return
+        if len(outs) != len(self.tables) or not self._aligned(outs):
+            launch_gather(self.tables, ids, outs, count=count)
+            return
+        _launch(
+            self._gather,
+            (_grid(n * self.span, self.index), self.grid_y),
+            [
+                *self.head,
+                *_pointer_args(outs),
+                *self.tail,
+                ids.data_ptr(),
+                0,
+                n,
+                _count_ptr(count, self.device),
+            ],
+            _GATHER_ARGS,
+            self.device,
+        )
+
+    def scatter(self, ids: torch.Tensor, rows: list[torch.Tensor], count: torch.Tensor) -> None:
+        """As :func:`launch_scatter` of distinct ``ids`` with ``count``."""
+        n = ids.numel()
+        if n == 0 or self.geometry[0] == 0:
+            return
+        if len(rows) != len(self.tables) or not self._aligned(rows):
+            launch_scatter(self.tables, ids, rows, None, SCATTER_ALL, count=count)
+            return
+        _launch(
+            self._scatter,
+            (_grid(n * self.span, self.index, SCATTER_UNROLL), self.grid_y),
+            [
+                *self.head,
+                *_pointer_args(rows),
+                *self.tail,
+                ids.data_ptr(),
+                0,
+                SCATTER_ALL,
+                n,
+                _count_ptr(count, self.device),
+            ],
+            _SCATTER_ARGS,
+            self.device,
+        )
