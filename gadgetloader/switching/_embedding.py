@@ -351,7 +351,20 @@ class OffloadedEmbedding(_OffloadedTable):
     -----
     A forward call gathers the distinct rows of ``input`` once (repeats merged, so
     gradients of repeated ids add up exactly); train it with
-    :class:`OffloadedOptimizer`. The table is not an ``nn.Parameter``: a plain
+    :class:`OffloadedOptimizer`.
+
+    With CUDA ids on a CUDA device (and CuPy) a training step never waits for the GPU:
+    the row plan (sort, distinct ids, local ids) is built on the GPU and its row count
+    stays there (the per-step variable has one row per lookup position; rows past the
+    distinct ones are zeros that are never written back), and the backward sums the
+    gradients of repeated ids with a kernel in the same order as ``F.embedding``'s
+    CUDA backward (bit-identical results). The range check of CUDA ids then finishes
+    in ``step()`` (or ``prepare_grads()``), before anything is written: a training
+    forward with an id out of range returns zeros for it, and the step raises
+    :class:`~gadgetloader.GadgetIndexError` leaving the table, its optimizer state and
+    step counts unchanged (that step's lookups are dropped). Lookups made without
+    gradients (``torch.no_grad()``, or before an optimizer is attached) and CPU ids are
+    checked before the forward returns. The table is not an ``nn.Parameter``: a plain
     torch optimizer over ``model.parameters()`` does not see it. ``state_dict()``
     includes the whole table as ``weight`` (fine for small tables; use
     :func:`~gadgetloader.switching.save_checkpoint` for large ones). Forward
