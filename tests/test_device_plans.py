@@ -231,6 +231,13 @@ def test_bad_cuda_id_in_training_is_reported_by_step_with_nothing_written():
     assert not torch.equal(torch.from_numpy(emb.table.getNumpyVersion())[4], table[4])
     with torch.no_grad(), pytest.raises(gl.GadgetIndexError, match="-1"):
         emb(torch.tensor([-1], device="cuda"))  # an eval lookup reports it at once
+    # a training lookup abandoned without a step is reported by zero_grad()
+    emb(torch.tensor([7, -3], device="cuda")).sum().backward()
+    with pytest.raises(gl.GadgetIndexError, match="-3"):
+        opt.zero_grad()
+    opt.zero_grad()  # reported once; the lookups were dropped
+    emb(torch.tensor([7], device="cuda")).sum().backward()
+    opt.step()
 
 
 @pytest.mark.gpu

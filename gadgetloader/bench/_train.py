@@ -79,6 +79,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--profile", metavar="FILE", help="append torch.profiler tables per method to FILE"
     )
     p.add_argument("--no-verify", action="store_true", help="skip the cross-check before timing")
+    p.add_argument(
+        "--fused",
+        action="store_true",
+        help="Adam(fused=True) for the speedtorch, switchers and dropin methods (CUDA only)",
+    )
 
 
 # ---- batches -----------------------------------------------------------------------------
@@ -138,6 +143,14 @@ def _init_fn(seed: int, dim: int) -> Callable[[torch.Tensor], None]:
     return init
 
 
+def _adam_kw(args: argparse.Namespace) -> dict[str, Any]:
+    """Adam's arguments for the methods that use Adam (``--fused`` where CUDA exists)."""
+    kw: dict[str, Any] = {"lr": args.lr}
+    if getattr(args, "fused", False) and cuda_available():
+        kw["fused"] = True
+    return kw
+
+
 # ---- the four methods ----------------------------------------------------------------------
 class _Method:
     """Builds its tables, runs one step per call, reads rows back for the cross-check."""
@@ -193,7 +206,7 @@ class _Switchers(_Method):
         self.model = nn.ModuleDict(
             {"u": nn.Embedding(1, args.dim), "v": nn.Embedding(1, args.dim)}
         ).to(device)
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=args.lr)
+        self.opt = torch.optim.Adam(self.model.parameters(), **_adam_kw(args))
         dup = "merge"
         self.u = ModelFactory(
             self.model["u"], args.rows, args.dim, placement=args.placement, duplicates=dup
@@ -261,7 +274,7 @@ class _SpeedTorch(_Method):
                 "v": nn.Embedding(args.batch * (1 + args.negatives), args.dim),
             }
         ).to(device)
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=args.lr)
+        self.opt = torch.optim.Adam(self.model.parameters(), **_adam_kw(args))
         self.gadgets: list[DataGadget] = []
         self.tables: dict[str, list[torch.Tensor]] = {}
         for k, name in enumerate(("u", "v")):
@@ -359,7 +372,7 @@ class _DropIn(_Method):
             device=device,
             init=_init_fn(args.seed + 1, args.dim),
         )
-        self.opt = OffloadedOptimizer(torch.optim.Adam, [self.u, self.v], lr=args.lr)
+        self.opt = OffloadedOptimizer(torch.optim.Adam, [self.u, self.v], **_adam_kw(args))
 
     def step(self, b: _Batch) -> None:
         center, context, neg = b
@@ -543,7 +556,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "dim": args.dim,
             "batch": args.batch,
             "negatives": args.negatives,
-            "optimizer": "Adam (gpu: SparseAdam)",
+            "optimizer": "Adam"
+            + (" fused" if _adam_kw(args).get("fused") else "")
+            + " (gpu: SparseAdam)",
             "zipf": args.zipf,
             "placement": placement,
             "steps": args.steps,

@@ -359,7 +359,7 @@ class OffloadedEmbedding(_OffloadedTable):
     distinct ones are zeros that are never written back), and the backward sums the
     gradients of repeated ids with a kernel in the same order as ``F.embedding``'s
     CUDA backward (bit-identical results). The range check of CUDA ids then finishes
-    in ``step()`` (or ``prepare_grads()``), before anything is written: a training
+    in ``step()`` (or ``prepare_grads()`` / ``zero_grad()``), before anything is written: a training
     forward with an id out of range returns zeros for it, and the step raises
     :class:`~gadgetloader.GadgetIndexError` leaving the table, its optimizer state and
     step counts unchanged (that step's lookups are dropped). Lookups made without
@@ -567,13 +567,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         ``GradScaler.step`` (mixed precision) or gradient clipping over
         ``[p for g in opt.param_groups for p in g["params"]]``.
         """
-        try:
-            for m in self.tables:
-                m._finish_checks()
-        except Exception:
-            for m in self.tables:  # nothing was written: the step's rows are dropped
-                m._drop_step()
-            raise
+        self._finish_checks()
         old = self._prepared or [None] * len(self.tables)
         plans: list[RowPlan | None] = []
         for m, before in zip(self.tables, old, strict=True):
@@ -612,12 +606,28 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients of the ordinary parameters and of this step's table rows."""
+        """Clear gradients of the ordinary parameters and of this step's table rows.
+
+        Raises :class:`~gadgetloader.GadgetIndexError` for a CUDA id out of range in a
+        training lookup since the last step (see :class:`OffloadedEmbedding`)."""
         self.inner.zero_grad(set_to_none=set_to_none)
         self._prepared = None
         for m in self.tables:
             m._clear_grads()
             m._slot.param.grad = None
+        self._finish_checks()
+
+    def _finish_checks(self) -> None:
+        """Finish every table's pending range checks; on a bad id forget this step's
+        lookups (nothing was written) and raise."""
+        try:
+            for m in self.tables:
+                m._finish_checks()
+        except Exception:
+            for m in self.tables:
+                m._drop_step()
+            self._prepared = None
+            raise
 
     # ---- state_dict: everything, tables included (small tables) ----------------------
     def _inner_state_without_rows(self) -> dict[str, Any]:
