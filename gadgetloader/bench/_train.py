@@ -311,7 +311,11 @@ class _SpeedTorch(_Method):
         self._sync()
         self._sync()
         st = self.opt.state[p]
-        st.setdefault("step", torch.zeros((), dtype=torch.float32))
+        # torch keeps Adam's step on the CPU, or on the parameter's device when fused
+        fused = bool(self.opt.defaults.get("fused"))
+        st.setdefault(
+            "step", torch.zeros((), dtype=torch.float32, device=p.device if fused else None)
+        )
         st["exp_avg"], st["exp_avg_sq"] = m[i].to(self.device), v[i].to(self.device)
         self._sync()
 
