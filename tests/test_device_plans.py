@@ -280,3 +280,50 @@ def test_plan_kernel_equals_the_torch_plan(n):
     assert int(got.n_distinct) == int(want.n_distinct)
     torch.cuda.synchronize()
     assert ends.tolist() == [int(ids.min()), int(ids.max())]
+
+
+def test_bags_and_large_lookups_take_exact_plans(device_plans, monkeypatch):
+    """Padding costs one row per lookup position: bags, and lookups whose padded rows would
+    pass DEVICE_PLAN_MAX_BYTES, use exact plans (one row per distinct id)."""
+    bag = gl.OffloadedEmbeddingBag(N, D, "sum", "cpu", device="cpu")
+    emb = gl.OffloadedEmbedding(N, D, "cpu", device="cpu")
+    gl.OffloadedOptimizer(torch.optim.SGD, [bag, emb], lr=0.1)
+    ids = torch.tensor([[1, 1, 2], [2, 3, 3]])
+    bag(ids).sum().backward()
+    emb(ids).sum().backward()
+    (bag_plan, bag_rows), (emb_plan, emb_rows) = bag._pending[0], emb._pending[0]
+    assert bag_plan.n_distinct is None and bag_rows.shape[0] == 3
+    assert emb_plan.n_distinct is not None and emb_rows.shape[0] == ids.numel()
+    monkeypatch.setattr(emb_mod, "DEVICE_PLAN_MAX_BYTES", ids.numel() * D * 4 - 1)
+    emb(ids).sum().backward()
+    plan, rows = emb._pending[1]
+    assert plan.n_distinct is None and rows.shape[0] == 3
+
+
+@pytest.mark.gpu
+@NEEDS_CUPY
+def test_bad_cuda_id_with_a_host_table_is_reported_by_the_forward():
+    """A `cpu` table has no row kernel to keep a bad id inside it: the forward checks."""
+    emb = gl.OffloadedEmbedding(N, D, "cpu", device="cuda")
+    opt = gl.OffloadedOptimizer(torch.optim.Adam, emb, lr=0.1)
+    before = torch.from_numpy(emb.table.getNumpyVersion()).clone()
+    with pytest.raises(gl.GadgetIndexError, match=str(N)):
+        emb(torch.tensor([1, N], device="cuda"))
+    opt.zero_grad()  # nothing left pending
+    emb(torch.tensor([1, 2], device="cuda")).sum().backward()
+    opt.step()
+    after = torch.from_numpy(emb.table.getNumpyVersion())
+    assert not torch.equal(after[1], before[1]) and torch.equal(after[5], before[5])
+
+
+@pytest.mark.gpu
+@NEEDS_CUPY
+def test_moving_the_model_keeps_a_pending_range_check():
+    emb = gl.OffloadedEmbedding(N, D, "pinned", device="cuda")
+    opt = gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=0.1)
+    before = torch.from_numpy(emb.table.getNumpyVersion()).clone()
+    emb(torch.tensor([3, -2], device="cuda")).sum().backward()
+    emb.cpu()  # drops the step's lookups
+    with pytest.raises(gl.GadgetIndexError, match="-2"):
+        opt.step()
+    assert torch.equal(torch.from_numpy(emb.table.getNumpyVersion()), before)

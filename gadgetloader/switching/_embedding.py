@@ -71,8 +71,15 @@ def _lookup(local: torch.Tensor, rows: torch.Tensor, plan: RowPlan) -> torch.Ten
 
 def _plans_on_device(ids: torch.Tensor) -> bool:
     """Whether a lookup of ``ids`` builds its row plan on the device (no synchronisation):
-    CUDA ids with the row kernels available (they read the plan's count on the GPU)."""
-    return ids.is_cuda and cupy_available()
+    CUDA ids (not ROCm: the backward copies CUDA's summation order) with the row kernels
+    available (they read the plan's count on the GPU)."""
+    return ids.is_cuda and torch.version.hip is None and cupy_available()
+
+
+#: a plan sized on the GPU gives the per-step variable one row per lookup position; above
+#: this many bytes of such rows (per tensor: rows, gradient, each optimizer state) a lookup
+#: takes the exact plan instead (one synchronisation), so padding never costs much memory
+DEVICE_PLAN_MAX_BYTES = 64 << 20
 
 
 class _Slot:
@@ -85,6 +92,9 @@ class _Slot:
 
 class _OffloadedTable(nn.Module):
     """Common part: the table, the per-step variable, the pending rows of this step."""
+
+    #: whether lookups may use plans sized on the GPU (see :func:`plan_rows_async`)
+    _device_plans = True
 
     def __init__(
         self,
@@ -148,7 +158,9 @@ class _OffloadedTable(nn.Module):
             param.data = param.data.to(probe.device)
             self._pending.clear()
             self._forward_states.clear()
-            self._checks.clear()
+            self._prefetched = None
+            # this step's lookups are dropped; their range checks stay queued, so a bad id
+            # among them is still reported by the optimizer's next step() / zero_grad()
         return out
 
     @property
@@ -178,7 +190,11 @@ class _OffloadedTable(nn.Module):
         training = torch.is_grad_enabled() and self._attached
         stores = [store, *self._state_stores] if training and self._state_stores else [store]
         finish = None
-        if _plans_on_device(ids):
+        if (
+            self._device_plans
+            and _plans_on_device(ids)
+            and ids.numel() * store.row_nbytes <= DEVICE_PLAN_MAX_BYTES
+        ):
             if cuda_input and ids.is_cuda and ids.numel():  # CPU ids were checked by as_ids
                 # the plan's sort finds the smallest and largest id anyway: they travel to
                 # this pair while the rest of the step is queued
@@ -194,6 +210,11 @@ class _OffloadedTable(nn.Module):
         if fused is not None and plan.n_distinct is not None:
             rows, *states = fused.gather(plan.ids, plan.n_distinct)
         else:
+            if finish is not None:
+                # no row kernel to keep bad ids inside the table (a host store, say): check
+                # now (this path reads the count back anyway)
+                finish()
+                finish = None
             rows, *states = gather_stores(
                 stores,
                 plan.ids.to(store.ids_device(self.compute_device)),
@@ -353,17 +374,20 @@ class OffloadedEmbedding(_OffloadedTable):
     gradients of repeated ids add up exactly); train it with
     :class:`OffloadedOptimizer`.
 
-    With CUDA ids on a CUDA device (and CuPy) a training step never waits for the GPU:
-    the row plan (sort, distinct ids, local ids) is built on the GPU and its row count
-    stays there (the per-step variable has one row per lookup position; rows past the
-    distinct ones are zeros that are never written back), and the backward sums the
-    gradients of repeated ids with a kernel in the same order as ``F.embedding``'s
-    CUDA backward (bit-identical results). The range check of CUDA ids then finishes
-    in ``step()`` (or ``prepare_grads()`` / ``zero_grad()``), before anything is written: a training
-    forward with an id out of range returns zeros for it, and the step raises
+    With CUDA ids on a CUDA device (and CuPy) a training step never drains the GPU's
+    queue: the row plan (sort, distinct ids, local ids) is built on the GPU and its row
+    count stays there (the per-step variable has one row per lookup position, up to
+    :data:`DEVICE_PLAN_MAX_BYTES` of rows; rows past the distinct ones are zeros that are
+    never written back; larger lookups take an exact plan, one synchronisation), and the
+    backward sums the gradients of repeated ids with a kernel in the same order as
+    ``F.embedding``'s CUDA backward (bit-identical results). Only ``step()`` waits, for the
+    forward's plan (long finished by then): the range check of CUDA ids finishes in
+    ``step()`` (or ``prepare_grads()`` / ``zero_grad()``), before anything is written: a
+    training forward with an id out of range returns zeros for it, and the step raises
     :class:`~gadgetloader.GadgetIndexError` leaving the table, its optimizer state and
     step counts unchanged (that step's lookups are dropped). Lookups made without
-    gradients (``torch.no_grad()``, or before an optimizer is attached) and CPU ids are
+    gradients (``torch.no_grad()``, or before an optimizer is attached), lookups of a
+    table without a GPU path (``cpu`` placement) and CPU ids are
     checked before the forward returns. The table is not an ``nn.Parameter``: a plain
     torch optimizer over ``model.parameters()`` does not see it. ``state_dict()``
     includes the whole table as ``weight`` (fine for small tables; use
@@ -404,8 +428,12 @@ class OffloadedEmbeddingBag(_OffloadedTable):
 
     ``forward(input, offsets=None, per_sample_weights=None)`` takes a 2-D input
     (one bag per row) or a 1-D input with ``offsets``, as ``nn.EmbeddingBag``.
-    Parameters otherwise as :class:`OffloadedEmbedding`.
+    Parameters otherwise as :class:`OffloadedEmbedding`. Lookups use exact row plans
+    (one synchronisation each): bags are long, and a plan sized on the GPU would give
+    the per-step variable one row per bag entry; torch's bag backward synchronises anyway.
     """
+
+    _device_plans = False
 
     def __init__(
         self,
