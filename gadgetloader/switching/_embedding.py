@@ -82,6 +82,11 @@ def _plans_on_device(ids: torch.Tensor) -> bool:
 DEVICE_PLAN_MAX_BYTES = 64 << 20
 
 
+#: plain attribute assignment for the per-step bookkeeping of a module: it skips
+#: ``nn.Module.__setattr__``'s parameter / buffer / submodule checks (several per step)
+_set = object.__setattr__
+
+
 class _Slot:
     """Holds the per-step parameter outside nn.Module's parameter registry, so
     ``model.parameters()`` (and any ordinary optimizer) never sees it."""
@@ -244,7 +249,8 @@ class _OffloadedTable(nn.Module):
 
     def _finish_checks(self) -> None:
         """Finish the pending range checks of this step's lookups (raises on a bad id)."""
-        checks, self._checks = self._checks, []
+        checks = list(self._checks)
+        self._checks.clear()
         for finish in checks:
             finish()
 
@@ -253,8 +259,9 @@ class _OffloadedTable(nn.Module):
         """Merge this step's forward calls into the per-step parameter and its gradient."""
         pending = [(plan, rows) for plan, rows in self._pending if rows.grad is not None]
         self._pending.clear()
-        forward_states, self._forward_states = self._forward_states, {}
-        self._prefetched = None
+        forward_states = dict(self._forward_states)
+        self._forward_states.clear()
+        _set(self, "_prefetched", None)
         param = self._slot.param
         if not pending:
             param.grad = None
@@ -263,7 +270,7 @@ class _OffloadedTable(nn.Module):
             plan, rows = pending[0]
             # one forward gathered exactly this step's rows: its state rows are current
             # (nothing writes a table's state between its forward and its step)
-            self._prefetched = forward_states.get(id(rows))
+            _set(self, "_prefetched", forward_states.get(id(rows)))
             data, grad = rows.detach(), rows.grad
         else:
             # several lookups this step: merge their rows (their counts read back)
@@ -306,7 +313,7 @@ class _OffloadedTable(nn.Module):
         self._pending.clear()
         self._forward_states.clear()
         self._checks.clear()
-        self._prefetched = None
+        _set(self, "_prefetched", None)
 
     def _clear_grads(self) -> None:
         for _, rows in self._pending:
@@ -624,7 +631,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for m, pager, plan in zip(self.tables, self.pagers, plans, strict=True):
             if plan is not None:
                 pager.load(plan, prefetched=m._prefetched)
-            m._prefetched = None
+            _set(m, "_prefetched", None)
         self.inner.step()
         for m, pager, plan in zip(self.tables, self.pagers, plans, strict=True):
             if plan is not None:
