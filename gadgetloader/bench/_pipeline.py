@@ -71,6 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="where gadgetloader reads: memory (pinned / cpu) and/or file (default both)",
     )
     p.add_argument("--prefetch", type=int, default=2, help="GadgetLoader prefetch depth")
+    p.add_argument(
+        "--coalesce",
+        type=int,
+        default=None,
+        help="batches per GadgetLoader gather (default: the loader's own, 8 on CUDA)",
+    )
     p.add_argument("--dir", default=None, help="directory for the benchmark's .npy file")
     p.add_argument("--seed", type=int, default=0)
 
@@ -310,7 +316,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         first_col,
                     )
                     gl = GadgetLoader(
-                        ds, batch_size=B, order=order, seed=args.seed, prefetch=args.prefetch
+                        ds,
+                        batch_size=B,
+                        order=order,
+                        seed=args.seed,
+                        prefetch=args.prefetch,
+                        coalesce=args.coalesce,
                     )
                     record(
                         label,
