@@ -49,22 +49,32 @@ def test_coalesce_needs_no_workers() -> None:
 
 
 def test_default_coalesce_is_bounded_by_bytes_and_count() -> None:
-    from gadgetloader.data._loader import COALESCE_BYTES, COALESCE_MAX, default_coalesce
+    from gadgetloader.data._loader import (
+        COALESCE_BYTES,
+        COALESCE_MAX,
+        COALESCE_MAX_OTHER,
+        default_coalesce,
+    )
 
     assert default_coalesce(4096 * 512) == min(COALESCE_MAX, COALESCE_BYTES // (4096 * 512))
     assert default_coalesce(1) == COALESCE_MAX
     assert default_coalesce(COALESCE_BYTES // 3) == 3
     assert default_coalesce(4 * COALESCE_BYTES) == 1
     assert default_coalesce(0) == COALESCE_MAX
+    assert default_coalesce(1, in_place=False) == COALESCE_MAX_OTHER < COALESCE_MAX
+    assert default_coalesce(COALESCE_BYTES // 3, in_place=False) == 3
 
 
-def test_default_coalesce_follows_the_device(device: torch.device) -> None:
+def test_default_coalesce_follows_the_device_and_route(
+    placement: str, device: torch.device
+) -> None:
     from gadgetloader.data._loader import default_coalesce
 
     x = torch.randn(300, 64)
-    ds = gl.GadgetDataset(x, torch.arange(300), placement="cpu", device=device)
+    ds = gl.GadgetDataset(x, torch.arange(300), placement=placement, device=device)
     loader = gl.GadgetLoader(ds, batch_size=40, seed=2)
-    want = default_coalesce(40 * ds.row_nbytes) if device.type == "cuda" else 1
+    in_place = all(r == "kernel" for r in ds._routes())
+    want = default_coalesce(40 * ds.row_nbytes, in_place) if device.type == "cuda" else 1
     assert loader._coalesce == want
     assert gl.GadgetLoader(ds, batch_size=40, num_workers=1)._coalesce == 1
     got = _batches(loader)

@@ -27,14 +27,20 @@ __all__ = ["GadgetLoader"]
 
 #: the default ``coalesce`` on CUDA gathers up to this many bytes of batches at once ...
 COALESCE_BYTES = 64 << 20
-#: ... and at most this many batches (H200, 4096 x 512 B batches from a pinned table:
-#: 83% of the link with 8 batches per gather, 88% with 32, in one machine session)
+#: ... and at most this many batches where the row kernel gathers every column in place
+#: (H200, 4096 x 512 B batches from a pinned table: 83% of the link with 8 batches per
+#: gather, 88% with 32, in one machine session) ...
 COALESCE_MAX = 32
+#: ... or this many for other columns (a file-backed .npy column took 1.0-1.1 ms a batch
+#: with 8, 1.6 ms with 32)
+COALESCE_MAX_OTHER = 8
 
 
-def default_coalesce(batch_nbytes: int) -> int:
-    """Batches per gather that :class:`GadgetLoader` uses on CUDA by default."""
-    return max(1, min(COALESCE_MAX, COALESCE_BYTES // max(1, int(batch_nbytes))))
+def default_coalesce(batch_nbytes: int, in_place: bool = True) -> int:
+    """Batches per gather that :class:`GadgetLoader` uses on CUDA by default; ``in_place``:
+    every column is gathered by the row kernel (``cuda`` / ``pinned`` tables)."""
+    most = COALESCE_MAX if in_place else COALESCE_MAX_OTHER
+    return max(1, min(most, COALESCE_BYTES // max(1, int(batch_nbytes))))
 
 
 class GadgetLoader:
@@ -58,8 +64,9 @@ class GadgetLoader:
     coalesce : int, optional
         With ``num_workers=0``, gather this many consecutive batches with *one*
         gather per column and hand them out as views (default on CUDA: as many
-        batches as fit in :data:`COALESCE_BYTES`, at most :data:`COALESCE_MAX`; 1 on
-        the CPU). Order, contents and resume positions are exactly those of
+        batches as fit in :data:`COALESCE_BYTES`, at most :data:`COALESCE_MAX` where
+        the row kernel gathers every column in place, else :data:`COALESCE_MAX_OTHER`;
+        1 on the CPU). Order, contents and resume positions are exactly those of
         ``coalesce=1``; only the number of kernel launches and Python round trips
         per batch shrinks, which is what limits small batches (a 4096 x 512 B batch
         is ~40 us on a PCIe Gen5 link).
@@ -145,7 +152,10 @@ class GadgetLoader:
         workers = _check_int(num_workers, "num_workers", minimum=0)
         if coalesce is None:
             coalesce = (
-                default_coalesce(sampler.batch_size * dataset.row_nbytes)
+                default_coalesce(
+                    sampler.batch_size * dataset.row_nbytes,
+                    all(route == "kernel" for route in dataset._routes()),
+                )
                 if dataset.device.type == "cuda" and workers == 0
                 else 1
             )
