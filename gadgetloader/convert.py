@@ -92,8 +92,21 @@ def convert(
     if os.path.abspath(src_p) == os.path.abspath(dst_p):
         raise GadgetValueError(f"convert: source and destination are the same path {src_p!r}")
     t0 = time.perf_counter()
-    source = _io.open_source(src_p, format=src_format, dataset=dataset)
     try:
+        source = _io.open_source(src_p, format=src_format, dataset=dataset)
+    except GadgetValueError as exc:
+        if dataset is not None and "does not apply" in str(exc):
+            raise GadgetValueError(
+                f"{exc}; --dataset / dataset= names the array inside the source, and "
+                f"--dst-dataset / dst_dataset= names it in {dst_p}"
+            ) from exc
+        raise
+    try:
+        if source.num_rows == 0:
+            raise GadgetValueError(
+                f"{src_p} holds a table with zero rows {tuple(source.shape)}; nothing to "
+                "convert (gadgetloader cannot load a zero-row table)"
+            )
         out_fmt = dst_format or _io.guess_format(dst_p, must_exist=False)
         options: dict[str, Any] = {}
         name = dst_dataset if dst_dataset is not None else (dataset if out_fmt != "npy" else None)

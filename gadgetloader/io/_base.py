@@ -54,6 +54,10 @@ class ArraySource(abc.ABC):
     chunk_rows: int
     _shape: tuple[int, ...]
 
+    def writes_in_place(self) -> bool:
+        """Whether this file's rows can be written in place (:meth:`write_rows`)."""
+        return self.supports_writes
+
     @property
     def shape(self) -> tuple[int, ...]:
         return self._shape

@@ -22,7 +22,13 @@ import numpy as np
 import torch
 
 from .._dtypes import as_torch_dtype
-from .._errors import GadgetFileNotFoundError, GadgetKeyError, GadgetTypeError, GadgetValueError
+from .._errors import (
+    GadgetFileError,
+    GadgetFileNotFoundError,
+    GadgetKeyError,
+    GadgetTypeError,
+    GadgetValueError,
+)
 
 __all__ = [
     "CHUNK_BYTES",
@@ -74,10 +80,29 @@ def as_bits(arr: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     return arr
 
 
-def check_sink_target(path: Path, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Check that a file can be written at ``path`` for a table of ``shape``; the shape as ints."""
+def check_sink_target(path: Path, shape: tuple[int, ...], store: str = "file") -> tuple[int, ...]:
+    """Check that a table of ``shape`` can be written at ``path``; the shape as ints.
+
+    ``store``: ``'file'`` (.npy, HDF5: ``path`` may be an existing file, never a
+    directory) or ``'zarr'`` (``path`` may be an existing zarr store, nothing else): a
+    save replaces what is there, and must never replace a user's directory or file of
+    another kind.
+    """
     if not path.parent.exists():
         raise GadgetFileNotFoundError(f"directory {path.parent} does not exist (saving {path})")
+    if store == "file" and path.is_dir():
+        raise GadgetFileError(
+            f"cannot save to {path}: it is a directory, and a save replaces what is at its "
+            "path; remove it or choose another name"
+        )
+    if store == "zarr" and (path.exists() or path.is_symlink()):
+        from ._zarr import is_zarr
+
+        if not (path.is_dir() and is_zarr(path)):
+            raise GadgetFileError(
+                f"cannot save to {path}: it exists and is not a zarr store, and a save "
+                "replaces what is at its path; remove it or choose another name"
+            )
     shape = tuple(int(s) for s in shape)
     if len(shape) == 0:
         raise GadgetValueError(f"{path}: a table needs at least one axis; got shape ()")

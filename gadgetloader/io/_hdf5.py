@@ -98,6 +98,34 @@ def is_hdf5(path: str | os.PathLike[str]) -> bool:
     return False
 
 
+def _release_readers(writer: Hdf5Source) -> bool:
+    """Let other sources of ``writer``'s file in this process drop their read-only handles
+    (each under its own lock; they reopen on their next read). Returns whether any did."""
+    pid, here = os.getpid(), os.path.realpath(writer.path)
+    released = False
+    for src in list(_OPEN):
+        if (
+            src is writer
+            or src._mode != "r"
+            or src._file is None
+            or src._pid != pid
+            or os.path.realpath(src.path) != here
+        ):
+            continue
+        lock = src._guard()
+        if not lock.acquire(timeout=10):  # busy reading in another thread for that long
+            continue
+        try:
+            with contextlib.suppress(Exception):  # already closed by h5py
+                src._file.close()
+            src._file = src._ds = None
+            _OPEN.discard(src)
+            released = True
+        finally:
+            lock.release()
+    return released
+
+
 def _close_before_fork() -> None:
     for src in list(_OPEN):
         src.close()
@@ -225,11 +253,24 @@ class Hdf5Source(ArraySource):
             self._file = self._ds = None
         if self._file is None:
             try:
-                self._file = h5py.File(self.path, self._mode)
+                try:
+                    self._file = h5py.File(self.path, self._mode)
+                except OSError as exc:
+                    # HDF5 refuses 'r+' while this process holds the file open read-only
+                    # (another table of the same file, say); those readers let go of their
+                    # handles and reopen lazily ('r' beside an open 'r+' is allowed)
+                    if not (
+                        self._mode == "r+"
+                        and "already open for read-only" in str(exc)
+                        and _release_readers(self)
+                    ):
+                        raise
+                    self._file = h5py.File(self.path, self._mode)
             except OSError as exc:
+                text = str(exc).lower()
                 hint = (
                     " (is it open for writing elsewhere? HDF5 locks files while they are written)"
-                    if "lock" in str(exc).lower()
+                    if "unable to lock" in text or "file locking" in text
                     else ""
                 )
                 raise GadgetFileError(

@@ -12,9 +12,16 @@ import numpy as np
 import torch
 
 from .._dtypes import as_torch_dtype, dtype_name, numpy_dtype
-from .._errors import GadgetFileError, GadgetFileNotFoundError, GadgetTypeError, GadgetValueError
+from .._errors import (
+    GadgetFileError,
+    GadgetFileNotFoundError,
+    GadgetTypeError,
+    GadgetValueError,
+    ReadOnlyError,
+)
 from ._atomic import remove_path, replace_atomically, temp_path_beside
 from ._base import ArraySink, ArraySource
+from ._chunks import check_sink_target
 
 __all__ = ["NpySink", "NpySource", "is_npy"]
 
@@ -127,16 +134,31 @@ class NpySource(ArraySource):
         """A read-only memory map of the rows (None for Fortran-ordered files)."""
         if self._fortran:
             return None
-        return np.memmap(
-            self.path, dtype=self._file_dtype, mode="r", offset=self._offset, shape=self.shape
-        )
+        try:
+            return np.memmap(
+                self.path, dtype=self._file_dtype, mode="r", offset=self._offset, shape=self.shape
+            )
+        except (ValueError, OSError) as exc:  # shorter than its header says since it was opened
+            raise GadgetFileError(
+                f"{self.path}: cannot map its rows {self.shape} {self._file_dtype} ({exc}); "
+                "was the file truncated or replaced?"
+            ) from exc
+
+    def writes_in_place(self) -> bool:
+        """A Fortran-ordered file's rows are not contiguous: it is never written in place."""
+        return not self._fortran
 
     def write_rows(self, start: int, rows: np.ndarray) -> None:
         if self._fortran:
-            raise GadgetValueError(f"{self.path}: cannot write into a Fortran-ordered .npy")
+            raise ReadOnlyError(
+                f"{self.path}: a Fortran-ordered .npy cannot be written in place; load it into "
+                "memory, or save it again (C order) with DataGadget(path).save(path)"
+            )
+        # in the file's byte order (a big-endian file gets big-endian rows)
+        data = np.ascontiguousarray(rows, dtype=self._file_dtype)
         f = self._file()
         f.seek(self._offset + start * self.row_nbytes)
-        f.write(np.ascontiguousarray(rows).reshape(-1).view(np.uint8).data)
+        f.write(data.reshape(-1).view(np.uint8).data)
 
     def close(self) -> None:
         if self._f is not None:
@@ -163,9 +185,7 @@ class NpySink(ArraySink):
                 "HDF5 or zarr (bit-exact), or convert it with .to(torch.float32) first"
             )
         self.path = Path(path)
-        if not self.path.parent.exists():
-            raise GadgetFileNotFoundError(f"directory {self.path.parent} does not exist")
-        self.shape = tuple(shape)
+        self.shape = check_sink_target(self.path, shape)
         self.dtype = dtype
         self._npd = numpy_dtype(dtype)
         self._tmp = temp_path_beside(self.path)

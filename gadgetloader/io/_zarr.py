@@ -452,7 +452,7 @@ class ZarrSink(ArraySink):
         from zarr.storage import LocalStore
 
         self.path = Path(path)
-        self.shape = check_sink_target(self.path, shape)
+        self.shape = check_sink_target(self.path, shape, "zarr")
         self.dtype = dtype
         comp = check_compression(compression, _COMPRESSIONS, "zarr", self.path)
         npd = numpy_dtype(dtype)

@@ -132,11 +132,11 @@ class FileStore(Store):
         self.block_rows = max(1, min(int(block_rows), max(1, self.num_rows)))
         #: blocks the cache holds: one slab of this many blocks, allocated on first use
         self._capacity = self.cache_bytes // max(1, self.block_rows * self.row_nbytes)
-        can_write = type(source).supports_writes and os.access(self._path, os.W_OK)
+        can_write = source.writes_in_place() and os.access(self._path, os.W_OK)
         if writable and not can_write:
             raise ReadOnlyError(
                 f"writable=True but {self._path} cannot be written (no write permission, or the "
-                f"{self._format} format does not support writing in place)"
+                f"{self._format} file cannot be written in place: e.g. a Fortran-ordered .npy)"
             )
         self._writable = bool(can_write if writable is None else writable)
         self._reset_process_state()
