@@ -287,7 +287,7 @@ def test_bags_and_large_lookups_take_exact_plans(device_plans, monkeypatch):
     pass DEVICE_PLAN_MAX_BYTES, use exact plans (one row per distinct id)."""
     bag = gl.OffloadedEmbeddingBag(N, D, "sum", "cpu", device="cpu")
     emb = gl.OffloadedEmbedding(N, D, "cpu", device="cpu")
-    gl.OffloadedOptimizer(torch.optim.SGD, [bag, emb], lr=0.1)
+    opt = gl.OffloadedOptimizer(torch.optim.SGD, [bag, emb], lr=0.1)  # noqa: F841 (kept alive)
     ids = torch.tensor([[1, 1, 2], [2, 3, 3]])
     bag(ids).sum().backward()
     emb(ids).sum().backward()

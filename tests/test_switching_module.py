@@ -255,7 +255,7 @@ def test_lr_scheduler_and_state_dict(placement, device):
 
 def test_no_grad_forward_keeps_nothing(placement, device):
     off = gl.OffloadedEmbedding(N, D, placement, device=device)
-    gl.OffloadedOptimizer(torch.optim.SGD, off, lr=0.1)
+    opt = gl.OffloadedOptimizer(torch.optim.SGD, off, lr=0.1)  # noqa: F841 (kept alive)
     with torch.no_grad():
         out = off(torch.tensor([[1, 2]], device=device))
     assert out.shape == (1, 2, D) and not off._pending
@@ -269,7 +269,7 @@ def test_module_errors(device):
         emb(torch.tensor([N]))
     with pytest.raises(gl.GadgetTypeError, match="SparseAdam"):
         gl.OffloadedOptimizer(torch.optim.LBFGS, emb)
-    gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=0.1)
+    first = gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=0.1)  # noqa: F841 (kept alive)
     with pytest.raises(gl.GadgetValueError, match="already"):
         gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=0.1)
     bag = gl.OffloadedEmbeddingBag(N, D, "sum", "cpu", device=device)

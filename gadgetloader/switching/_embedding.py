@@ -10,6 +10,8 @@ The user's loop is only forward / backward / ``step()``.
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -147,6 +149,9 @@ class _OffloadedTable(nn.Module):
         #: (device, prepared transfer) of the stores a training lookup gathers
         self._fused: tuple[torch.device, FusedRows] | None = None
         self._attached = False
+        #: rows of training lookups that had no gradient when the last step ran: a gradient
+        #: arriving later is reported by the next step (it would be lost silently)
+        self._retired: list[torch.Tensor] = []
 
     @property
     def placement(self) -> str:
@@ -258,6 +263,7 @@ class _OffloadedTable(nn.Module):
     def _take_step_rows(self, sparse: bool) -> RowPlan | None:
         """Merge this step's forward calls into the per-step parameter and its gradient."""
         pending = [(plan, rows) for plan, rows in self._pending if rows.grad is not None]
+        self._retired[:] = [rows for _, rows in self._pending if rows.grad is None]
         self._pending.clear()
         forward_states = dict(self._forward_states)
         self._forward_states.clear()
@@ -305,6 +311,17 @@ class _OffloadedTable(nn.Module):
             param.grad = grad
         return plan
 
+    def _check_retired(self) -> None:
+        """Raise if a lookup made before the last step got its gradient after that step."""
+        if self._retired and any(rows.grad is not None for rows in self._retired):
+            self._retired.clear()
+            raise GadgetValueError(
+                "a lookup of this offloaded embedding made before the last step() got its "
+                "gradient after that step: its rows were read before the step changed them, "
+                "and the gradient is dropped; run backward() before step() for every "
+                "training forward (or make forwards that are not trained under torch.no_grad())"
+            )
+
     def _has_pending_grads(self) -> bool:
         return any(rows.grad is not None for _, rows in self._pending)
 
@@ -314,6 +331,30 @@ class _OffloadedTable(nn.Module):
         self._forward_states.clear()
         self._checks.clear()
         _set(self, "_prefetched", None)
+
+    def _release(self) -> None:
+        """Forget the optimizer this table belonged to (it is gone): a new one may attach."""
+        _set(self, "_attached", False)
+        _set(self, "_state_stores", None)
+        _set(self, "_fused", None)
+        self._drop_step()
+        self._retired.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (copy.deepcopy, pickling) has the rows but no optimizer and no step in flight
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        state = dict(state)
+        state.update(
+            _attached=False,
+            _state_stores=None,
+            _fused=None,
+            _pending=[],
+            _checks=[],
+            _forward_states={},
+            _prefetched=None,
+            _retired=[],
+        )
+        return state
 
     def _clear_grads(self) -> None:
         for _, rows in self._pending:
@@ -490,6 +531,14 @@ class OffloadedEmbeddingBag(_OffloadedTable):
         )
 
 
+def _detach(refs: list[Any]) -> None:
+    """Release tables from an optimizer that is gone (see OffloadedOptimizer.__init__)."""
+    for ref in refs:
+        m = ref()
+        if m is not None:
+            m._release()
+
+
 def _collect(params: Any) -> tuple[list[_OffloadedTable], list[Any]]:
     """Split modules / parameters / param groups into offloaded tables and the rest."""
     if isinstance(params, (nn.Module, torch.Tensor, dict)):
@@ -547,6 +596,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     then gathers each row's state with the row, and ``step()`` writes both back, as
     one wide row per id: one host-page translation per row instead of one per table
     (see DESIGN.md). The state tables are ``self.pagers[i].tables``.
+
+    A table belongs to one optimizer at a time; when this optimizer is garbage
+    collected its tables are released and a new ``OffloadedOptimizer`` may take them
+    (with fresh optimizer state). A warning is given when ``params`` holds no offloaded
+    table (``model.parameters()`` does not reach them: pass the model). A gradient that
+    arrives after ``step()`` for a lookup made before it raises
+    :class:`~gadgetloader.GadgetValueError` at the next ``step()`` (it is not applied).
+    Fused SGD with momentum gives ordinary parameters a zero momentum buffer before
+    their first step (exactly torch's first step when ``dampening`` is 0; refused
+    otherwise), because torch's fused SGD needs buffers for all parameters or none.
     """
 
     def __init__(
@@ -560,6 +619,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if not tables and not others:
             raise GadgetValueError(
                 "OffloadedOptimizer got no parameters and no offloaded embeddings"
+            )
+        if not tables:
+            warnings.warn(
+                "OffloadedOptimizer found no OffloadedEmbedding / OffloadedEmbeddingBag: the "
+                "tables are not parameters, so model.parameters() does not reach them; pass the "
+                "model (or its embedding modules) instead",
+                UserWarning,
+                stacklevel=2,
             )
         for m in tables:
             if m._attached:
@@ -589,6 +656,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             m._state_stores = (
                 [t.store for t in pager.tables.values()] if pager.interleaved else None
             )
+        # when this optimizer is gone, its tables may get a new one (a later phase of
+        # training, a fine-tune): they keep their rows, the new optimizer starts fresh state
+        weakref.finalize(self, _detach, [weakref.ref(m) for m in tables])
 
     def __repr__(self) -> str:
         return f"OffloadedOptimizer({self.inner!r}, offloaded tables={len(self.tables)})"
@@ -603,6 +673,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         ``[p for g in opt.param_groups for p in g["params"]]``.
         """
         self._finish_checks()
+        for m in self.tables:
+            m._check_retired()
         old = self._prepared or [None] * len(self.tables)
         plans: list[RowPlan | None] = []
         for m, before in zip(self.tables, old, strict=True):

@@ -296,6 +296,8 @@ class StatePager:
         for key, value in self.layout.init_scalars.items():
             if key not in state:
                 state[key] = _snapshot(value)
+        #: fused SGD with momentum: the other parameters need momentum buffers too
+        self._fused_momentum = _fused_sgd_momentum(optimizer)
 
     @property
     def row_keys(self) -> tuple[str, ...]:
@@ -354,6 +356,8 @@ class StatePager:
         for key, value in self.layout.init_scalars.items():
             if key not in state:
                 state[key] = _snapshot(value)
+        if self._fused_momentum:
+            align_fused_sgd(self.optimizer)
 
     def store_back(
         self, plan: RowPlan, with_table: tuple[Store, torch.Tensor] | None = None
@@ -426,6 +430,43 @@ class StatePager:
                     if not isinstance(cur, torch.Tensor)
                     else torch.as_tensor(value, dtype=cur.dtype, device=cur.device)
                 )
+
+
+def _fused_sgd_momentum(optimizer: torch.optim.Optimizer) -> bool:
+    return supported_name(optimizer) == "SGD" and any(
+        g.get("fused") and g.get("momentum", 0) != 0 for g in optimizer.param_groups
+    )
+
+
+def align_fused_sgd(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter of a fused SGD-with-momentum group a momentum buffer.
+
+    A paged table's rows always carry one (a fresh row's is zero), and torch's fused SGD
+    takes buffers for all of a group's parameters or for none (its first step). A zero
+    buffer gives exactly torch's first step when ``dampening`` is 0 (``buf = grad``);
+    with ``dampening`` != 0 there is no exact equivalent, so that case is refused.
+
+    Raises
+    ------
+    GadgetValueError
+        A fused SGD group with ``dampening`` != 0 holds parameters without a buffer.
+    """
+    state = optimizer.state
+    for group in optimizer.param_groups:
+        if not group.get("fused") or group.get("momentum", 0) == 0:
+            continue
+        missing = [p for p in group["params"] if state.get(p, {}).get("momentum_buffer") is None]
+        if not missing:
+            continue
+        if group.get("dampening", 0) != 0:
+            raise GadgetValueError(
+                "SGD(fused=True, momentum != 0, dampening != 0) cannot train offloaded tables "
+                "beside ordinary parameters (torch's fused SGD needs momentum buffers for all "
+                "of a group's parameters or none, and a zero buffer differs from torch's first "
+                "step when dampening != 0); use fused=False, or dampening=0"
+            )
+        for p in missing:
+            state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def interleave_ok(
