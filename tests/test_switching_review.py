@@ -181,3 +181,51 @@ def test_a_gradient_after_the_step_for_an_earlier_lookup_is_reported() -> None:
     e(torch.tensor([2])).sum().backward()
     opt.step()  # reported once; training goes on
     assert not np.array_equal(e.table.getNumpyVersion()[2], before[2])
+
+
+def test_fused_sgd_momentum_with_switchers_beside_ordinary_parameters(device: torch.device) -> None:
+    if not _fused_sgd_works(device):
+        pytest.skip(f"this torch has no fused SGD on {device.type}")
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.u_embeddings = nn.Embedding(6, 4)
+            self.lin = nn.Linear(4, 1)
+
+        def forward(self, local: torch.Tensor) -> torch.Tensor:
+            return self.lin(self.u_embeddings(local)).sum()
+
+    results = []
+    for fused in (True, False):
+        model = Model().to(device)
+        with torch.no_grad():
+            model.lin.weight.copy_(W0)
+            model.lin.bias.copy_(B0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
+        sw = gl.PytorchModelFactory(model.u_embeddings, 20, 4, deviceType="cpu")
+        sw.customInit(_table20)
+        osw = gl.PytorchOptimizerFactory(opt, 20, 4, model, "u_embeddings", deviceType="cpu")
+        osw.optInit()
+        for ids in ([1, 2, 2], [3, 7], [1, 19]):
+            ids_t = torch.tensor(ids, device=device)
+            local = sw.beforeForwardPass(ids_t)
+            osw.beforeForwardPass(ids_t)
+            opt.zero_grad()
+            model(local).backward()
+            opt.step()
+            sw.afterOptimizerStep(ids_t)
+            osw.afterOptimizerStep(ids_t)
+        results.append((sw.getNumpyVersion().copy(), model.lin.weight.detach().clone()))
+    (t_fused, w_fused), (t_plain, w_plain) = results
+    np.testing.assert_allclose(t_fused, t_plain, rtol=0, atol=1e-6)
+    assert torch.allclose(w_fused, w_plain, rtol=0, atol=1e-6)
+    assert not np.array_equal(t_fused[[1, 2, 3, 7, 19]], _start20()[[1, 2, 3, 7, 19]])
+
+
+def _start20() -> np.ndarray:
+    return (torch.arange(80.0).view(20, 4) / 80).numpy()
+
+
+def _table20(t: torch.Tensor) -> None:
+    t.copy_(torch.arange(80.0).view(20, 4) / 80)
