@@ -210,7 +210,7 @@ class GadgetLoader:
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch handed out (prefetched batches do not count)."""
         if self._active is not None:
-            epoch, start, handed = self._active
+            epoch, start, handed = self._active[:3]
             return {"sampler": self._sampler._state(epoch, start + handed)}
         return {"sampler": self._sampler.state_dict()}
 
@@ -227,14 +227,17 @@ class GadgetLoader:
     # ---- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[GadgetBatch]:
         prev = self._active
-        if prev is not None:
+        changes = getattr(self._sampler, "_changes", 0)
+        if prev is not None and prev[3] == changes:
             # the last pass was left before its end: read-ahead (coalescing, workers) may
             # have drained the sampler past what was handed out, so go by what the user got
-            # -- an unfinished epoch restarts, as a bare sampler's does; a finished one moves on
-            epoch, start, handed = prev
-            self._sampler.set_epoch(epoch if start + handed < len(self._sampler) else epoch + 1)
+            # -- an unfinished epoch restarts, as a bare sampler's does; a finished one moves
+            # on. (If the user has since called the sampler's set_epoch / load_state_dict,
+            # that wins.)
+            epoch, start, handed = prev[:3]
+            self._sampler._restart(epoch if start + handed < len(self._sampler) else epoch + 1)
         epoch, start = self._sampler._next_start()
-        active = [epoch, start, 0]
+        active = [epoch, start, 0, changes]
         self._active = active
         if self._direct or self._coalesce > 1:  # the sampler directly (see __init__)
             return self._grouped(iter(self._sampler), active)

@@ -311,6 +311,8 @@ class GadgetSampler(Sampler[Any]):
         self._epoch = 0
         self._position = 0
         self._resume: int | None = None
+        #: bumped by the user's set_epoch / load_state_dict (a GadgetLoader leaves them be)
+        self._changes = 0
         self._orders: dict[int, Future[torch.Tensor]] = {}
         self._lock = threading.Lock()
 
@@ -411,7 +413,13 @@ class GadgetSampler(Sampler[Any]):
 
     # ---- epochs ------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` from its first batch at the next ``iter()``."""
+        """Start epoch ``epoch`` from its first batch at the next ``iter()`` (also when a
+        :class:`GadgetLoader` over this sampler was left mid-epoch: this call wins).
+        Without it, the next epoch starts once the last batch has been handed out."""
+        self._restart(epoch)
+        self._changes = getattr(self, "_changes", 0) + 1
+
+    def _restart(self, epoch: int) -> None:
         self._epoch = _check_int(epoch, "epoch", minimum=0)
         self._position = 0
         self._resume = None
@@ -485,6 +493,9 @@ class GadgetSampler(Sampler[Any]):
         epoch, start = self._next_start()
         self._resume = None
         self._position = start
+        if start >= self._num_batches:  # resumed after the epoch's last batch: nothing left
+            self._epoch, self._position = epoch + 1, 0
+            return
         fut = self._order_future(epoch, background=False)
         order = fut.result() if fut is not None else None
         self._order_future(epoch + 1, background=True)
@@ -502,11 +513,11 @@ class GadgetSampler(Sampler[Any]):
             else:
                 ids = self._ids_at(order, p0, p0 + B if p0 < full_end else last_end)
             if self._epoch == epoch:
-                self._position = b + 1
+                if b + 1 == nb:  # the epoch is over once its last batch is handed out
+                    self._epoch, self._position = epoch + 1, 0
+                else:
+                    self._position = b + 1
             yield ids
-        if self._epoch == epoch and self._position == self._num_batches:
-            self._epoch = epoch + 1
-            self._position = 0
 
     # ---- resume (torchdata StatefulDataLoader protocol) -------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -579,6 +590,7 @@ class GadgetSampler(Sampler[Any]):
             self._orders.clear()
         self._resume = position
         self._position = position
+        self._changes = getattr(self, "_changes", 0) + 1
 
     # ---- pickling (DataLoader may copy samplers) ---------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
