@@ -196,6 +196,9 @@ def run(args: argparse.Namespace) -> int:
     except GadgetError as exc:
         print(f"gadgetloader convert: error: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # the file system's refusal (a path through a file, no space...)
+        print(f"gadgetloader convert: error: {exc}", file=sys.stderr)
+        return 1
     rate = info["bytes"] / info["seconds"] / 1e9 if info["seconds"] > 0 else float("inf")
     print(
         f"{info['src']} ({info['src_format']}) -> {info['dst']} ({info['dst_format']}): "

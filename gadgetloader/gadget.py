@@ -549,9 +549,25 @@ class DataGadget:
         progress: bool | None = None,
         **options: Any,
     ) -> None:
-        """Write the table to ``path`` (format from the extension), streaming block by
-        block with no full-size temporary, atomically: an error part-way leaves any
-        previous file at ``path`` intact."""
+        """Write the table to ``path`` (format from the extension, or ``format=``),
+        streaming block by block with no full-size temporary, atomically: an error
+        part-way leaves any previous file at ``path`` intact.
+
+        Options (``**options``): ``chunk_rows`` (HDF5, zarr; default about 1 MiB of
+        rows); ``compression`` -- HDF5 ``'gzip'`` / ``'lzf'`` (default none), zarr
+        ``'zstd'`` (default) / ``'gzip'`` / ``'blosc'`` / ``'none'`` (``None`` means the
+        default); ``compression_level`` (gzip and blosc 0-9, zstd -131072 to 22). A save
+        replaces what is at ``path`` as a whole (an HDF5 file with all its datasets, a
+        zarr group with all its arrays); a directory (.npy, HDF5) or anything but a zarr
+        store (zarr) at ``path`` is refused.
+
+        Raises
+        ------
+        GadgetFileError
+            ``path`` is a directory / not a regular file (.npy, HDF5) or not a zarr store.
+        GadgetValueError, GadgetKeyError
+            Bad options (unknown compression, a level out of range, ...).
+        """
         self._store.check_open()
         self._store.synchronize()
         backing = getattr(self._store, "path", None) if self.placement == "file" else None
@@ -641,6 +657,13 @@ class DataGadget:
             source.close()
 
     # ---- lifetime --------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Push rows written to a ``file`` table out to its file (the OS may still hold
+        them; ``close()`` also flushes). Other placements: nothing to do."""
+        flush = getattr(self.store, "flush", None)
+        if flush is not None:
+            flush()
+
     def close(self) -> None:
         """Free the table's memory now (idempotent). Also happens on garbage collection."""
         self._store.close()

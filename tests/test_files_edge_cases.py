@@ -145,3 +145,108 @@ def test_convert_dataset_of_a_npy_source_points_at_dst_dataset(tmp_path: Path) -
     conv.convert(src, tmp_path / "a.h5", dst_dataset="emb", progress=False)
     with h5py.File(tmp_path / "a.h5", "r") as f:
         assert list(f) == ["emb"] and f["emb"].shape == (5, 4)
+
+
+def test_file_cache_slots_never_outnumber_the_tables_blocks(tmp_path: Path) -> None:
+    p = tmp_path / "small.npy"
+    np.save(p, np.arange(10, dtype=np.uint8))
+    g = _file_gadget(p)  # default budget is far above the table
+    assert g.store._capacity == 1 and len(g.store._free) <= 1
+    assert g.getData([3, 9]).tolist() == [3, 9]
+    q = tmp_path / "narrow.npy"
+    np.save(q, np.arange(5000, dtype=np.int32))
+    h = _file_gadget(q, block_rows=1)
+    assert h.store._capacity <= 5000
+    assert h.getData([0, 4999]).tolist() == [0, 4999]
+    h.close()
+    g.close()
+
+
+def test_hdf5_file_table_writes_while_a_worker_reads(tmp_path: Path) -> None:
+    from torch.utils.data import DataLoader
+
+    p = tmp_path / "w.h5"
+    with h5py.File(p, "w") as f:
+        f.create_dataset("x", data=np.arange(300, dtype=np.float32).reshape(100, 3), chunks=(10, 3))
+    g = _file_gadget(p)
+    dl = DataLoader(gl.GadgetDataset(g), batch_size=20, num_workers=1, persistent_workers=True)
+    assert sum(b[0].shape[0] for b in dl) == 100  # the worker holds the file open now
+    g.insertData(torch.full((1, 3), -1.0), [7])  # the main process writes meanwhile
+    g.flush()
+    assert g.getData([7]).eq(-1.0).all()
+    for i, _ in enumerate(dl):  # and during an epoch
+        g.insertData(torch.full((1, 3), -2.0), [i])
+    g.close()
+    with h5py.File(p, "r") as f:
+        assert (f["x"][7] == -1.0).all() and (f["x"][:5] == -2.0).all()
+
+
+def test_a_second_table_of_one_hdf5_dataset_sees_writes(tmp_path: Path) -> None:
+    p = tmp_path / "two.h5"
+    with h5py.File(p, "w") as f:
+        f.create_dataset("x", data=np.arange(200, dtype=np.float32).reshape(50, 4), chunks=(5, 4))
+    a = _file_gadget(p, cache_bytes=0)
+    b = _file_gadget(p)
+    a.getData(list(range(50)))
+    b.insertData(-torch.ones(3, 4), [0, 9, 40])
+    assert a.getData([0, 9, 40]).eq(-1.0).all()
+    a.close()
+    b.close()
+
+
+def test_save_refuses_a_path_that_is_not_a_regular_file(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.npy"
+    os.mkfifo(fifo)
+    g = gl.DataGadget(np.ones((3, 2), np.float32), placement="cpu", device="cpu")
+    with pytest.raises(gl.GadgetFileError, match="not a regular file"):
+        g.save(fifo)
+    assert fifo.is_fifo()
+
+
+def test_convert_cli_reports_file_system_errors_in_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    src = tmp_path / "c.npy"
+    np.save(src, np.ones((4, 2), np.float32))
+    proc = subprocess.run(
+        [sys.executable, "-m", "gadgetloader", "convert", str(src), str(src / "x.h5")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("gadgetloader convert: error:") and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("ext", "options", "match"),
+    [
+        (".h5", {"compression": "gzip", "compression_level": 12}, r"\[0, 9\]"),
+        (".zarr", {"compression": "zstd", "compression_level": 99}, r"\[-131072, 22\]"),
+        (".zarr", {"compression": "blosc", "compression_level": 1.5}, "integer"),
+        (".h5", {"compression": "lzf", "compression_level": 3}, "takes no level"),
+        (".h5", {"compression_level": 3}, "takes no level"),
+    ],
+)
+def test_compression_level_is_checked(
+    tmp_path: Path, ext: str, options: dict[str, object], match: str
+) -> None:
+    g = gl.DataGadget(np.ones((30, 2), np.float32), placement="cpu", device="cpu")
+    with pytest.raises(gl.GadgetValueError, match=match):
+        g.save(tmp_path / f"t{ext}", **options)
+    assert not list(tmp_path.iterdir())
+
+
+def test_compression_levels_in_range_round_trip(tmp_path: Path) -> None:
+    data = np.random.default_rng(0).standard_normal((300, 8)).astype(np.float32)
+    g = gl.DataGadget(data, placement="cpu", device="cpu")
+    for name, options in {
+        "a.h5": {"compression": "gzip", "compression_level": 9},
+        "b.zarr": {"compression": "zstd", "compression_level": -5},
+        "c.zarr": {"compression": "blosc", "compression_level": 0},
+    }.items():
+        g.save(tmp_path / name, **options)
+        np.testing.assert_array_equal(
+            gl.DataGadget(tmp_path / name, placement="cpu", device="cpu").getNumpyVersion(), data
+        )

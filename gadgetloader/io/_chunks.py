@@ -90,9 +90,10 @@ def check_sink_target(path: Path, shape: tuple[int, ...], store: str = "file") -
     """
     if not path.parent.exists():
         raise GadgetFileNotFoundError(f"directory {path.parent} does not exist (saving {path})")
-    if store == "file" and path.is_dir():
+    if store == "file" and path.exists() and not path.is_file():
+        what = "a directory" if path.is_dir() else "not a regular file"
         raise GadgetFileError(
-            f"cannot save to {path}: it is a directory, and a save replaces what is at its "
+            f"cannot save to {path}: it is {what}, and a save replaces what is at its "
             "path; remove it or choose another name"
         )
     if store == "zarr" and (path.exists() or path.is_symlink()):
@@ -151,6 +152,36 @@ def check_compression(
             f"{[*valid, 'none']}"
         )
     return name
+
+
+#: accepted ``compression_level`` range per compressor
+_LEVELS = {"gzip": (0, 9), "zstd": (-131072, 22), "blosc": (0, 9)}
+
+
+def check_level(compression: str | None, level: Any, fmt: str, path: object) -> int | None:
+    """``compression_level`` as an int in the compressor's range (None: its default).
+
+    Raises
+    ------
+    GadgetValueError
+        A level for a compressor without levels (``lzf``, none), a non-integer, or a
+        value outside the compressor's range.
+    """
+    if level is None:
+        return None
+    if compression not in _LEVELS:
+        raise GadgetValueError(
+            f"compression_level={level!r} for {path}: {fmt} compression "
+            f"{compression or 'none'!r} takes no level (levels apply to "
+            f"{sorted(k for k in _LEVELS)})"
+        )
+    lo, hi = _LEVELS[compression]
+    if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or not lo <= level <= hi:
+        raise GadgetValueError(
+            f"compression_level for {compression} must be an integer in [{lo}, {hi}]; "
+            f"got {level!r} (saving {path})"
+        )
+    return int(level)
 
 
 def fsync_tree(path: str | os.PathLike[str]) -> None:

@@ -44,6 +44,7 @@ from ._chunks import (
     ChunkAligner,
     as_bits,
     check_compression,
+    check_level,
     check_sink_target,
     default_chunk_rows,
     for_each_chunk,
@@ -96,6 +97,32 @@ def is_hdf5(path: str | os.PathLike[str]) -> bool:
     except OSError:
         return False
     return False
+
+
+def _h5_open(h5py: ModuleType, path: str, mode: str) -> Any:
+    """Open ``path``; in a DataLoader worker process, read-only and without HDF5's file
+    lock (``locking=False``).
+
+    A worker's locked read handle would stop the main process from writing rows through
+    a ``file`` table ("unable to lock file") for as long as the worker lives
+    (``persistent_workers``), and a worker could not open a file the main process is
+    writing. Elsewhere HDF5's default applies: one process may not mix locked and
+    unlocked handles of a file, and users open the same files with h5py themselves. What
+    a worker reads while the main process writes rows is not defined (as for any file
+    written in place); rows written before the worker opened the file are seen.
+    """
+    if mode == "r" and _worker_info() is not None:
+        try:
+            return h5py.File(path, mode, locking=False)
+        except (TypeError, ValueError):  # an h5py / HDF5 without the option
+            pass
+    return h5py.File(path, mode)
+
+
+def _worker_info() -> Any:
+    from torch.utils.data import get_worker_info
+
+    return get_worker_info()
 
 
 def _release_readers(writer: Hdf5Source) -> bool:
@@ -254,7 +281,7 @@ class Hdf5Source(ArraySource):
         if self._file is None:
             try:
                 try:
-                    self._file = h5py.File(self.path, self._mode)
+                    self._file = _h5_open(h5py, self.path, self._mode)
                 except OSError as exc:
                     # HDF5 refuses 'r+' while this process holds the file open read-only
                     # (another table of the same file, say); those readers let go of their
@@ -265,7 +292,7 @@ class Hdf5Source(ArraySource):
                         and _release_readers(self)
                     ):
                         raise
-                    self._file = h5py.File(self.path, self._mode)
+                    self._file = _h5_open(h5py, self.path, self._mode)
             except OSError as exc:
                 text = str(exc).lower()
                 hint = (
@@ -644,6 +671,9 @@ class Hdf5Source(ArraySource):
         with self._guard():
             ds = self._dataset()
             ds.write_direct(np.ascontiguousarray(rows), np.s_[0 : stop - start], np.s_[start:stop])
+            # out of HDF5's chunk cache into the file: other tables of this file in the
+            # process read chunks by their file offsets
+            ds.file.flush()
 
     def flush(self) -> None:
         """Push written rows to the file (the OS may still hold them)."""
@@ -694,6 +724,7 @@ class Hdf5Sink(ArraySink):
         self.dtype = dtype
         self.dataset = (dataset or DEFAULT_DATASET).strip("/")
         comp = check_compression(compression, _COMPRESSIONS, "HDF5", self.path)
+        compression_level = check_level(comp, compression_level, "HDF5", self.path)
         npd = numpy_dtype(dtype)
         row_nbytes = int(np.prod(self.shape[1:], dtype=np.int64)) * npd.itemsize
         self.chunk_rows = default_chunk_rows(row_nbytes, self.shape[0], chunk_rows)

@@ -40,6 +40,7 @@ from ._chunks import (
     ChunkAligner,
     as_bits,
     check_compression,
+    check_level,
     check_sink_target,
     default_chunk_rows,
     for_each_chunk,
@@ -426,8 +427,12 @@ class ZarrSink(ArraySink):
     chunk_rows : int, optional
         Rows per chunk (default: about 1 MiB of rows). Chunks span whole rows.
     compression : {'zstd', 'gzip', 'blosc', None}, default 'zstd'
-        ``None`` / ``'none'`` stores raw bytes.
+        ``None`` / ``'none'`` stores raw bytes here; through ``DataGadget.save`` and
+        ``convert`` leaving it out (or ``None``) means the default, zstd, and ``'none'``
+        means raw.
     compression_level : int, optional
+        zstd: -131072 to 22 (default 0, zstd's own default); gzip and blosc: 0 to 9
+        (default 5).
 
     Notes
     -----
@@ -455,6 +460,7 @@ class ZarrSink(ArraySink):
         self.shape = check_sink_target(self.path, shape, "zarr")
         self.dtype = dtype
         comp = check_compression(compression, _COMPRESSIONS, "zarr", self.path)
+        compression_level = check_level(comp, compression_level, "zarr", self.path)
         npd = numpy_dtype(dtype)
         row_nbytes = int(np.prod(self.shape[1:], dtype=np.int64)) * npd.itemsize
         self.chunk_rows = default_chunk_rows(row_nbytes, self.shape[0], chunk_rows)

@@ -131,7 +131,12 @@ class FileStore(Store):
                 block_rows = max(1, UNCHUNKED_BLOCK_BYTES // max(1, self.row_nbytes))
         self.block_rows = max(1, min(int(block_rows), max(1, self.num_rows)))
         #: blocks the cache holds: one slab of this many blocks, allocated on first use
-        self._capacity = self.cache_bytes // max(1, self.block_rows * self.row_nbytes)
+        num_blocks = -(-self.num_rows // self.block_rows)
+        # never more slots than the table has blocks (a budget far above a small or narrow
+        # table would otherwise mean a huge slot list)
+        self._capacity = min(
+            num_blocks, self.cache_bytes // max(1, self.block_rows * self.row_nbytes)
+        )
         can_write = source.writes_in_place() and os.access(self._path, os.W_OK)
         if writable and not can_write:
             raise ReadOnlyError(
