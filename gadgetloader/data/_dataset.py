@@ -150,6 +150,11 @@ class GadgetDataset(Dataset[Any]):
             raise GadgetValueError(
                 "GadgetDataset needs at least one column (a DataGadget, file path, array or tensor)"
             )
+        if options and not any(isinstance(c, (str, os.PathLike)) for c in columns):
+            raise GadgetTypeError(
+                f"options {sorted(options)} apply to file-path columns (how to open the file), "
+                "and this dataset has none"
+            )
         self._device = resolve_device(device)
         gadgets: list[DataGadget] = []
         self._owned: list[DataGadget] = []
@@ -275,6 +280,13 @@ class GadgetDataset(Dataset[Any]):
                 dev_ids = sliced if sliced is not None else _ids_on(ids, win.device)
                 last_ids, last_win = dev_ids, win
             route = step.route
+            if own and route is not _KERNEL and dev_ids.numel():
+                # a sampler's ids skipped the check; one changed in place (through NumPy)
+                # must not make a file or host read take another row: the row kernel
+                # guards its reads itself, these do not
+                lo, hi = torch.aminmax(dev_ids)
+                if int(lo) < 0 or int(hi) >= self._num_rows:
+                    check_range(dev_ids, self._num_rows)
             view = step.view() if route is not _STORE else None
             if view is None:  # the store's general gather (which also reports a closed store)
                 out.append(step.store.gather(dev_ids, target, strategy=step.strategy))

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sized
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -76,6 +77,15 @@ def sampler_ids_bound(ids: Any) -> int | None:
     except RuntimeError:  # pragma: no cover - inference tensors are never marked
         return None
     return mark[0] if version == mark[1] else None
+
+
+def _check_seed(value: Any) -> int:
+    """A seed in [0, 2**64): the order mixes it as a 64-bit number, so larger seeds would
+    repeat smaller ones."""
+    seed = _check_int(value, "seed", minimum=0)
+    if seed >= 1 << 64:
+        raise GadgetValueError(f"seed must be below 2**64 (it is mixed as 64 bits); got {seed}")
+    return seed
 
 
 def _check_int(value: Any, name: str, *, minimum: int) -> int:
@@ -269,8 +279,8 @@ class GadgetSampler(Sampler[Any]):
         num_replicas: int | None = None,
         rank: int | None = None,
     ) -> None:
-        if isinstance(data_source, int) and not isinstance(data_source, bool):
-            n = data_source
+        if isinstance(data_source, (int, np.integer)) and not isinstance(data_source, bool):
+            n = int(data_source)
         elif hasattr(data_source, "__len__"):
             n = len(data_source)
         else:
@@ -290,7 +300,7 @@ class GadgetSampler(Sampler[Any]):
             raise GadgetValueError(
                 "drop_last=True and pad=True are exclusive: drop the incomplete batch or pad it"
             )
-        self._seed = _check_int(seed, "seed", minimum=0)
+        self._seed = _check_seed(seed)
         if chunk_rows is None and order == "chunk":
             chunk_rows = chunk_rows_of(data_source)
             if chunk_rows is None:
@@ -584,8 +594,15 @@ class GadgetSampler(Sampler[Any]):
             raise GadgetValueError(
                 f"sampler state position {position} is beyond the epoch's {self._num_batches} batches"
             )
-        self._seed = _check_int(state_dict["seed"], "seed", minimum=0)
-        self._epoch = _check_int(state_dict["epoch"], "epoch", minimum=0)
+        missing = [k for k in ("seed", "epoch") if k not in state_dict]
+        if missing:
+            raise GadgetValueError(
+                f"not a complete GadgetSampler state: {missing} missing; expected a dict from "
+                "GadgetSampler.state_dict()"
+            )
+        seed = _check_seed(state_dict["seed"])
+        epoch = _check_int(state_dict["epoch"], "epoch", minimum=0)
+        self._seed, self._epoch = seed, epoch  # only once everything is checked
         with self._lock:
             self._orders.clear()
         self._resume = position
