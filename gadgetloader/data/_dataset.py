@@ -280,10 +280,10 @@ class GadgetDataset(Dataset[Any]):
                 dev_ids = sliced if sliced is not None else _ids_on(ids, win.device)
                 last_ids, last_win = dev_ids, win
             route = step.route
-            if own and route is not _KERNEL and dev_ids.numel():
+            if own and route is not _KERNEL and not dev_ids.is_cuda and dev_ids.numel():
                 # a sampler's ids skipped the check; one changed in place (through NumPy)
-                # must not make a file or host read take another row: the row kernel
-                # guards its reads itself, these do not
+                # must not make a file or host read take another row (the row kernels, and
+                # so every store gather of CUDA ids, guard their reads themselves)
                 lo, hi = torch.aminmax(dev_ids)
                 if int(lo) < 0 or int(hi) >= self._num_rows:
                     check_range(dev_ids, self._num_rows)
