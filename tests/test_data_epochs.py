@@ -72,18 +72,28 @@ def test_bare_sampler_moves_on_after_its_last_batch() -> None:
         ref = gl.GadgetSampler(ds, batch_size=8, seed=0)
         ref.set_epoch(e)
         assert got == [ds[b][0].tolist() for b in ref]
-    state = s.state_dict()
-    assert (state["epoch"], state["position"]) == (3, 0)
+    state = s.state_dict()  # the last epoch, all handed out (what StatefulDataLoader saves)
+    assert (state["epoch"], state["position"]) == (2, len(s))
+    fresh = gl.GadgetSampler(ds, batch_size=8, seed=0)
+    fresh.load_state_dict(state)
+    assert list(fresh) == []  # the rest of epoch 2 is empty ...
+    ref = gl.GadgetSampler(ds, batch_size=8, seed=0)
+    ref.set_epoch(3)
+    assert [b.tolist() for b in fresh] == [b.tolist() for b in ref]  # ... then epoch 3
 
 
-def test_resumed_sampler_after_the_last_batch_starts_the_next_epoch() -> None:
+def test_a_sampler_saved_after_its_last_batch_resumes_into_the_next_epoch() -> None:
     ds = _ds()
     s = gl.GadgetSampler(ds, batch_size=30, seed=2)
     it = iter(s)
     for _ in range(len(s)):
         next(it)
-    fresh = gl.GadgetSampler(ds, batch_size=30, seed=2)
-    fresh.load_state_dict(s.state_dict())
+    assert s.epoch == 1  # every batch of epoch 0 was handed out
     ref = gl.GadgetSampler(ds, batch_size=30, seed=2)
     ref.set_epoch(1)
-    assert [b.tolist() for b in fresh] == [b.tolist() for b in ref]
+    want = [b.tolist() for b in ref]
+    fresh = gl.GadgetSampler(ds, batch_size=30, seed=2)
+    fresh.load_state_dict(s.state_dict())
+    assert list(fresh) == []  # a resumed pass: the rest of epoch 0, which is empty
+    assert [b.tolist() for b in fresh] == want
+    assert [b.tolist() for b in s] == want  # the live sampler moves on by itself

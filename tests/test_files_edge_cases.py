@@ -250,3 +250,11 @@ def test_compression_levels_in_range_round_trip(tmp_path: Path) -> None:
         np.testing.assert_array_equal(
             gl.DataGadget(tmp_path / name, placement="cpu", device="cpu").getNumpyVersion(), data
         )
+
+
+def test_zarr_save_into_an_empty_directory(tmp_path: Path) -> None:
+    target = tmp_path / "empty"
+    target.mkdir()
+    g = gl.DataGadget(np.arange(6, dtype=np.float32).reshape(3, 2), placement="cpu", device="cpu")
+    g.save(target, format="zarr")
+    np.testing.assert_array_equal(zarr.open_array(target, mode="r")[:], g.getNumpyVersion())

@@ -229,3 +229,30 @@ def _start20() -> np.ndarray:
 
 def _table20(t: torch.Tensor) -> None:
     t.copy_(torch.arange(80.0).view(20, 4) / 80)
+
+
+def test_a_released_table_leaves_its_old_state_buffer() -> None:
+    from gadgetloader.stores._interleaved import SlotStore, slot_info
+
+    e = gl.OffloadedEmbedding(1000, 8, placement="cpu", device="cpu")
+    opt = gl.OffloadedOptimizer(torch.optim.Adam, e, lr=0.1)
+    e(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    group = slot_info(e.table.store)[0]
+    assert group.parent.shape == (1000, 3, 8)  # the table and Adam's two moments
+    rows = e.table.getNumpyVersion().copy()
+    del opt
+    gc.collect()
+    assert group.open == {0}  # the state tables went with the optimizer
+    sgd = gl.OffloadedOptimizer(torch.optim.SGD, e, lr=0.5)  # no row state
+    assert not isinstance(e.table.store, SlotStore)  # a buffer of its own again
+    assert group.parent.closed  # the old (1000, 3, 8) buffer is freed
+    np.testing.assert_array_equal(e.table.getNumpyVersion(), rows)
+    del sgd
+    gc.collect()
+    ada = gl.OffloadedOptimizer(torch.optim.Adagrad, e, lr=0.5)
+    assert slot_info(e.table.store)[0].parent.shape == (1000, 2, 8)
+    np.testing.assert_array_equal(e.table.getNumpyVersion(), rows)
+    e(torch.tensor([3])).sum().backward()
+    ada.step()
+    assert not np.array_equal(e.table.getNumpyVersion()[3], rows[3])

@@ -385,6 +385,8 @@ class GadgetSampler(Sampler[Any]):
     @property
     def epoch(self) -> int:
         """The epoch the next (or current) pass belongs to."""
+        if self._resume is None and self._position >= self._num_batches:
+            return self._epoch + 1  # every batch of the last one was handed out
         return self._epoch
 
     @property
@@ -425,7 +427,8 @@ class GadgetSampler(Sampler[Any]):
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its first batch at the next ``iter()`` (also when a
         :class:`GadgetLoader` over this sampler was left mid-epoch: this call wins).
-        Without it, the next epoch starts once the last batch has been handed out."""
+        Without it, the next pass starts the next epoch once every batch of this one was
+        handed out (else this epoch anew)."""
         self._restart(epoch)
         self._changes = getattr(self, "_changes", 0) + 1
 
@@ -496,13 +499,18 @@ class GadgetSampler(Sampler[Any]):
         return self._batches()
 
     def _next_start(self) -> tuple[int, int]:
-        """(epoch, position) where the next pass will start."""
-        return self._epoch, self._resume if self._resume is not None else 0
+        """(epoch, position) where the next pass will start: a loaded position, else the
+        next epoch once every batch of this one was handed out, else this epoch anew."""
+        if self._resume is not None:
+            return self._epoch, self._resume
+        if self._position >= self._num_batches:
+            return self._epoch + 1, 0
+        return self._epoch, 0
 
     def _batches(self) -> Iterator[torch.Tensor]:
         epoch, start = self._next_start()
         self._resume = None
-        self._position = start
+        self._epoch, self._position = epoch, start
         if start >= self._num_batches:  # resumed after the epoch's last batch: nothing left
             self._epoch, self._position = epoch + 1, 0
             return
@@ -523,11 +531,14 @@ class GadgetSampler(Sampler[Any]):
             else:
                 ids = self._ids_at(order, p0, p0 + B if p0 < full_end else last_end)
             if self._epoch == epoch:
-                if b + 1 == nb:  # the epoch is over once its last batch is handed out
-                    self._epoch, self._position = epoch + 1, 0
-                else:
-                    self._position = b + 1
+                # after the last batch the state reads (epoch, nb): the next pass starts the
+                # next epoch even if this generator is never resumed (see _next_start), and a
+                # resumed state sees an empty rest of this epoch, as StatefulDataLoader expects
+                self._position = b + 1
             yield ids
+        if self._epoch == epoch and self._position == self._num_batches:
+            self._epoch = epoch + 1
+            self._position = 0
 
     # ---- resume (torchdata StatefulDataLoader protocol) -------------------------------------
     def state_dict(self) -> dict[str, Any]:

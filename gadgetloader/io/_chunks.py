@@ -84,7 +84,8 @@ def check_sink_target(path: Path, shape: tuple[int, ...], store: str = "file") -
     """Check that a table of ``shape`` can be written at ``path``; the shape as ints.
 
     ``store``: ``'file'`` (.npy, HDF5: ``path`` may be an existing file, never a
-    directory) or ``'zarr'`` (``path`` may be an existing zarr store, nothing else): a
+    directory) or ``'zarr'`` (``path`` may be an existing zarr store or an empty
+    directory, nothing else): a
     save replaces what is there, and must never replace a user's directory or file of
     another kind.
     """
@@ -99,7 +100,7 @@ def check_sink_target(path: Path, shape: tuple[int, ...], store: str = "file") -
     if store == "zarr" and (path.exists() or path.is_symlink()):
         from ._zarr import is_zarr
 
-        if not (path.is_dir() and is_zarr(path)):
+        if not (path.is_dir() and (is_zarr(path) or not any(path.iterdir()))):
             raise GadgetFileError(
                 f"cannot save to {path}: it exists and is not a zarr store, and a save "
                 "replaces what is at its path; remove it or choose another name"

@@ -69,6 +69,8 @@ _H5Z_DEFLATE, _H5Z_SHUFFLE = 1, 2
 #: handles inherited through a fork: kept alive, never closed in the child
 _ABANDONED: list[Any] = []
 _OPEN: weakref.WeakSet[Hdf5Source] = weakref.WeakSet()
+#: every source made in this process and not closed (whether or not its h5py handle is open)
+_SOURCES: weakref.WeakSet[Hdf5Source] = weakref.WeakSet()
 
 
 def import_h5py() -> ModuleType:
@@ -123,6 +125,15 @@ def _worker_info() -> Any:
     from torch.utils.data import get_worker_info
 
     return get_worker_info()
+
+
+def _shares_file(src: Hdf5Source) -> bool:
+    """Whether another open source in this process reads ``src``'s file."""
+    here = os.path.realpath(src.path)
+    return any(
+        other is not src and not other._closed and os.path.realpath(other.path) == here
+        for other in list(_SOURCES)
+    )
 
 
 def _release_readers(writer: Hdf5Source) -> bool:
@@ -226,6 +237,8 @@ class Hdf5Source(ArraySource):
                 f"{self.path} is not an HDF5 file (no HDF5 signature); expected an .h5/.hdf5 file"
             )
         self._mode = mode
+        self._closed = False
+        _SOURCES.add(self)
         self._lock = threading.RLock()
         self._lock_pid = os.getpid()
         self._file: Any = None
@@ -305,6 +318,8 @@ class Hdf5Source(ArraySource):
                 ) from exc
             self._pid = pid
             _OPEN.add(self)
+            self._closed = False
+            _SOURCES.add(self)
         return self._file
 
     def _dataset(self) -> Any:
@@ -363,6 +378,8 @@ class Hdf5Source(ArraySource):
             self._table, self._table_pid = None, 0
             self._map, self._map_pid = None, 0
             _OPEN.discard(self)
+            self._closed = True
+            _SOURCES.discard(self)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -385,6 +402,8 @@ class Hdf5Source(ArraySource):
         self.__dict__.update(state)
         self._lock = threading.RLock()
         self._lock_pid = os.getpid()
+        self._closed = False
+        _SOURCES.add(self)
 
     # ---- rows -----------------------------------------------------------------------------
     @property
@@ -671,9 +690,10 @@ class Hdf5Source(ArraySource):
         with self._guard():
             ds = self._dataset()
             ds.write_direct(np.ascontiguousarray(rows), np.s_[0 : stop - start], np.s_[start:stop])
-            # out of HDF5's chunk cache into the file: other tables of this file in the
-            # process read chunks by their file offsets
-            ds.file.flush()
+            if _shares_file(self):
+                # out of HDF5's chunk cache into the file: other tables of this file in
+                # the process read chunks by their file offsets
+                ds.file.flush()
 
     def flush(self) -> None:
         """Push written rows to the file (the OS may still hold them)."""

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .._device import resolve_placement
-from .._errors import GadgetKeyError
+from .._errors import GadgetKeyError, GadgetValueError
 from ._base import Store
 from ._file import FileStore, file_store
 from ._interleaved import SlotStore, interleave
@@ -47,6 +47,24 @@ def empty_store(
     if cls is CpuStore:
         return CpuStore(shape, dtype)
     return cls(shape, dtype, device)
+
+
+def standalone_copy(store: Store) -> Store:
+    """A store of its own (same placement, shape and dtype) holding ``store``'s rows: takes a
+    table out of a shared interleaved buffer (:class:`SlotStore`), copied in bounded blocks."""
+    store.synchronize()
+    new = empty_store(store.placement, store.shape, store.dtype, store.cuda_device)
+    try:
+        src, dst = store.host_view(), new.host_view()
+        if src is None or dst is None:
+            raise GadgetValueError(f"a {store.placement} store has no host view to copy")
+        step = max(1, (256 << 20) // max(1, store.row_nbytes))
+        for start in range(0, store.num_rows, step):  # torch's threads copy each block
+            dst[start : start + step].copy_(src[start : start + step])
+    except BaseException:
+        new.close()
+        raise
+    return new
 
 
 def interleaved_stores(

@@ -19,6 +19,7 @@ every slot is closed (or collected).
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -66,6 +67,10 @@ class SlotStore(Store):
         hv = parent.host_view()
         self._host: torch.Tensor | None = hv[:, slot] if hv is not None else None
         self._dev: torch.Tensor | None = None
+        # a slot store collected without close() (an optimizer's state table that went
+        # away with it) gives its slot back too: the shared buffer is freed with the last
+        self._fin = weakref.finalize(self, group.release, self._slot)
+        self._fin.atexit = False
 
     @property  # type: ignore[misc]
     def placement(self) -> str:  # type: ignore[override]
@@ -107,6 +112,7 @@ class SlotStore(Store):
         group, self._group = self._group, None
         self._host = None
         self._dev = None
+        self._fin.detach()
         if group is not None:
             group.release(self._slot)
 

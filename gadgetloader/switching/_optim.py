@@ -508,8 +508,15 @@ def _interleave_with(
 ) -> list[Store] | None:
     """Move ``table`` into slot 0 of a new interleaved buffer and return the state slots
     (zero-filled), or None where :func:`interleave_ok` says no."""
-    from ..stores import interleaved_stores
+    from ..stores import interleaved_stores, standalone_copy
+    from ..stores._interleaved import slot_info
 
+    info = slot_info(table.store)
+    if info is not None and info[0].open == {info[1]}:
+        # the table is still in the buffer of an optimizer that is gone (its state slots
+        # were released): take it out first, so that buffer (the table's size times one
+        # plus the states) is freed now rather than kept for good or held beside a new one
+        table._replace_store(standalone_copy(table.store))
     if not interleave_ok(table, placement, num_rows, row_shape, dtypes):
         return None
     old = table.store
