@@ -258,3 +258,39 @@ def test_zarr_save_into_an_empty_directory(tmp_path: Path) -> None:
     g = gl.DataGadget(np.arange(6, dtype=np.float32).reshape(3, 2), placement="cpu", device="cpu")
     g.save(target, format="zarr")
     np.testing.assert_array_equal(zarr.open_array(target, mode="r")[:], g.getNumpyVersion())
+
+
+def test_hdf5_writes_are_seen_after_a_worker_was_forked(tmp_path: Path) -> None:
+    from torch.utils.data import DataLoader
+
+    p = tmp_path / "c.h5"
+    with h5py.File(p, "w") as f:
+        f.create_dataset("x", data=np.arange(400, dtype=np.float32).reshape(100, 4))
+    a = _file_gadget(p, cache_bytes=0)
+    b = _file_gadget(p, cache_bytes=0)
+    a.getData([1])
+    b.getData([1])
+    assert (
+        sum(x[0].shape[0] for x in DataLoader(gl.GadgetDataset(a), batch_size=50, num_workers=1))
+        == 100
+    )
+    b.insertData(torch.full((1, 4), -1.0), [40])
+    assert a.getData([40]).eq(-1.0).all()
+    a.close()
+    b.close()
+
+
+def test_rewritten_compressed_hdf5_chunks_are_read_from_their_new_place(tmp_path: Path) -> None:
+    p = tmp_path / "gz.h5"
+    data = np.arange(2000, dtype=np.float32).reshape(500, 4)
+    with h5py.File(p, "w") as f:
+        f.create_dataset("x", data=data, chunks=(5, 4), compression="gzip")
+    a = _file_gadget(p, cache_bytes=0)
+    b = _file_gadget(p, cache_bytes=0)
+    np.testing.assert_array_equal(a.getData(list(range(500))).numpy(), data)
+    b.insertData(torch.full((3, 4), -1.0), [40, 41, 250])
+    got = a.getData([39, 40, 41, 250, 499]).numpy()
+    np.testing.assert_array_equal(got[[1, 2, 3]], -np.ones((3, 4), np.float32))
+    np.testing.assert_array_equal(got[[0, 4]], data[[39, 499]])
+    a.close()
+    b.close()

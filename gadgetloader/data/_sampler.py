@@ -544,6 +544,11 @@ class GadgetSampler(Sampler[Any]):
     def state_dict(self) -> dict[str, Any]:
         """Where the epoch stands: load it into a fresh sampler to continue from the next batch.
 
+        After the epoch's last batch was drawn the state reads (epoch, number of batches):
+        a sampler loaded from it yields an empty pass (the rest of that epoch), then the
+        next epoch -- the protocol ``StatefulDataLoader`` expects when it saves inside
+        the loop. Batches drawn ahead by DataLoader workers count as drawn.
+
         ``StatefulDataLoader`` (torchdata) calls this for its batch sampler, or for
         its sampler with ``batch_size=None``.
         """

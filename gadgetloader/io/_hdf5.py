@@ -71,6 +71,9 @@ _ABANDONED: list[Any] = []
 _OPEN: weakref.WeakSet[Hdf5Source] = weakref.WeakSet()
 #: every source made in this process and not closed (whether or not its h5py handle is open)
 _SOURCES: weakref.WeakSet[Hdf5Source] = weakref.WeakSet()
+#: writes through any source of a file (by real path) in this process: a reader's cached
+#: chunk positions are dropped when it changes (HDF5 may move a rewritten compressed chunk)
+_WRITES: dict[str, int] = {}
 
 
 def import_h5py() -> ModuleType:
@@ -166,7 +169,7 @@ def _release_readers(writer: Hdf5Source) -> bool:
 
 def _close_before_fork() -> None:
     for src in list(_OPEN):
-        src.close()
+        src._drop_handles()
 
 
 if hasattr(os, "register_at_fork"):
@@ -365,6 +368,14 @@ class Hdf5Source(ArraySource):
 
     def close(self) -> None:
         with self._guard():
+            self._drop_handles()
+            self._closed = True
+            _SOURCES.discard(self)
+
+    def _drop_handles(self) -> None:
+        """Close the file's handles and forget cached chunk positions (the source stays
+        usable: the next read reopens). Done before every fork as well."""
+        with self._guard():
             if self._file is not None:
                 if self._pid == os.getpid():
                     with contextlib.suppress(Exception):  # already closed by h5py
@@ -378,8 +389,6 @@ class Hdf5Source(ArraySource):
             self._table, self._table_pid = None, 0
             self._map, self._map_pid = None, 0
             _OPEN.discard(self)
-            self._closed = True
-            _SOURCES.discard(self)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -568,6 +577,20 @@ class Hdf5Source(ArraySource):
             dst[...] = view[pos]  # one fancy index over rows starting at any byte offset
             return True
 
+    def _check_writes(self) -> None:
+        """Forget cached chunk positions if any source of this file wrote since."""
+        seen = _WRITES.get(self._realpath(), 0)
+        if getattr(self, "_seen_writes", 0) != seen:
+            self._seen_writes = seen
+            self._table, self._table_pid = None, 0
+            self._map, self._map_pid = None, 0
+
+    def _realpath(self) -> str:
+        real = getattr(self, "_real", None)
+        if real is None:
+            real = self._real = os.path.realpath(self.path)
+        return real
+
     def _row_map(self) -> np.ndarray | tuple[np.ndarray, np.ndarray] | None:
         """The file's rows as memory-mapped bytes (built once per process), or None.
 
@@ -575,6 +598,7 @@ class Hdf5Source(ArraySource):
         ones: the chunk index and an ``(size - row_nbytes + 1, row_nbytes)`` view of the
         whole file whose row ``j`` starts at byte ``j``.
         """
+        self._check_writes()
         if self._map_pid == os.getpid():
             return self._map
         self._map, self._map_pid, self._all_raw = None, os.getpid(), False
@@ -628,6 +652,7 @@ class Hdf5Source(ArraySource):
         """
         if self._mode != "r" or not hasattr(ds.id, "chunk_iter"):
             return None
+        self._check_writes()
         if self._table_pid == os.getpid():
             return self._table
         self._table, self._table_pid = None, os.getpid()
@@ -690,6 +715,8 @@ class Hdf5Source(ArraySource):
         with self._guard():
             ds = self._dataset()
             ds.write_direct(np.ascontiguousarray(rows), np.s_[0 : stop - start], np.s_[start:stop])
+            real = self._realpath()
+            _WRITES[real] = _WRITES.get(real, 0) + 1
             if _shares_file(self):
                 # out of HDF5's chunk cache into the file: other tables of this file in
                 # the process read chunks by their file offsets
