@@ -81,8 +81,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _write_json(args.json, data)
         return 0
     if args.command == "bench":
+        from ._errors import GadgetError
+
         module = _SUITES[args.suite or "seed"][0]
-        result = importlib.import_module(module).run(args)
+        try:
+            result = importlib.import_module(module).run(args)
+        except GadgetError as exc:  # bad options (a missing --dir, ...): one line, not a trace
+            print(f"gadgetloader bench: error: {exc}", file=sys.stderr)
+            return 1
         _write_json(getattr(args, "json", None), result)
         return 0
     if args.command == "convert":

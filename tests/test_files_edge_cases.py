@@ -294,3 +294,13 @@ def test_rewritten_compressed_hdf5_chunks_are_read_from_their_new_place(tmp_path
     np.testing.assert_array_equal(got[[0, 4]], data[[39, 499]])
     a.close()
     b.close()
+
+
+def test_bench_files_with_a_missing_dir_is_a_one_line_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from gadgetloader.cli import main
+
+    assert main(["bench", "files", "--dir", "/nonexistent/gadgetloader-dir", "--mb", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("gadgetloader bench: error:") and "no such directory" in err

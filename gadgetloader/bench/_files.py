@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from .._device import cuda_available, cupy_available
-from .._errors import FallbackWarning
+from .._errors import FallbackWarning, GadgetFileNotFoundError
 from ..io import load_into, open_source
 from ._common import format_table
 
@@ -256,6 +256,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"unknown format(s) {unknown}; expected some of {list(_FORMATS)}")
     placement = _placement()
     device = torch.device("cuda") if cuda_available() else torch.device("cpu")
+    if args.dir is not None and not os.path.isdir(args.dir):
+        raise GadgetFileNotFoundError(f"--dir {args.dir}: no such directory")
     root = Path(tempfile.mkdtemp(prefix="gadgetloader-bench-", dir=args.dir))
     report: dict[str, Any] = {
         "config": {

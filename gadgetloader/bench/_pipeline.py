@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--coalesce",
         type=int,
         default=None,
-        help="batches per GadgetLoader gather (default: the loader's own, 8 on CUDA)",
+        help="batches per GadgetLoader gather (default: the loader's own: on CUDA as many as fit in 64 MiB, up to 32; 8 for file columns)",
     )
     p.add_argument("--dir", default=None, help="directory for the benchmark's .npy file")
     p.add_argument("--seed", type=int, default=0)
