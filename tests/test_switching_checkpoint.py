@@ -228,3 +228,61 @@ def test_a_save_killed_part_way_leaves_the_previous_checkpoint_whole(
     gl.save_checkpoint(tmp_path / "ck", {"model": a, "optimizer": opt_a}, format=fmt)
     left = set(os.listdir(tmp_path / "ck"))
     assert len(left) == len(files_before), (files_before, left)
+
+
+def test_switchers_resume_with_the_model_in_the_checkpoint(tmp_path, placement, device):
+    """The model's per-step variables (one batch's rows) are left out of the checkpoint, so a
+    freshly built model of the original size loads it and continues bit-identically."""
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = nn.ModuleDict(
+            {"u": nn.Embedding(1, D), "v": nn.Embedding(1, D), "head": nn.Linear(D, 1)}
+        ).to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        u = gl.ModelFactory(model["u"], N, D, placement=placement)
+        v = gl.ModelFactory(model["v"], N, D, placement=placement)
+        u.uniformDistributionInit(-0.5, 0.5)
+        v.uniformDistributionInit(-0.5, 0.5)
+        uo = gl.OptimizerFactory(opt, N, D, model, "u", placement=placement)
+        vo = gl.OptimizerFactory(opt, N, D, model, "v", placement=placement)
+        uo.optInit()
+        vo.optInit()
+        return model, opt, u, v, uo, vo
+
+    def train(parts, seed, steps):
+        model, opt, u, v, uo, vo = parts
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            c = torch.randint(0, N, (8,), generator=g).to(device)
+            x = torch.randint(0, N, (8, 2), generator=g).to(device)
+            lc, lx = u.beforeForwardPass(c), v.beforeForwardPass(x)
+            uo.beforeForwardPass(c)
+            vo.beforeForwardPass(x)
+            opt.zero_grad()
+            uc = model["u"](lc)
+            loss = -F.logsigmoid((uc.unsqueeze(1) * model["v"](lx)).sum(-1)).sum()
+            (loss + model["head"](uc).pow(2).sum()).backward()
+            opt.step()
+            u.afterOptimizerStep(c)
+            v.afterOptimizerStep(x)
+            uo.afterOptimizerStep(c)
+            vo.afterOptimizerStep(x)
+
+    def objects(parts):
+        model, opt, u, v, uo, vo = parts
+        return {"model": model, "u": u, "v": v, "u_opt": uo, "v_opt": vo, "optimizer": opt}
+
+    a = build(0)
+    train(a, 1, 3)
+    gl.save_checkpoint(tmp_path / "ck", objects(a))
+    train(a, 2, 3)
+    b = build(5)  # per-step variables of one row again
+    gl.load_checkpoint(tmp_path / "ck", objects(b))
+    train(b, 2, 3)
+    assert torch.equal(a[0]["head"].weight, b[0]["head"].weight)
+    assert torch.equal(a[0]["head"].bias, b[0]["head"].bias)
+    for x, y in ((a[2], b[2]), (a[3], b[3])):
+        assert torch.equal(
+            torch.from_numpy(x.getNumpyVersion()), torch.from_numpy(y.getNumpyVersion())
+        )

@@ -67,6 +67,10 @@ def _parts(obj: Any) -> tuple[str, dict[str, DataGadget], Any]:
             sd = obj.state_dict()
         finally:
             _embedding._EXTERNAL_TABLES.pop()
+        # a switcher's per-step variable holds only the last batch's rows (its table is
+        # saved with the switcher): leave it out, so a fresh model of any size loads this
+        paged = _paged_names(obj)
+        sd = {k: v for k, v in sd.items() if k not in paged}
         return "module", tables, {"state_dict": sd}
     if isinstance(obj, torch.optim.Optimizer):
         return "optimizer", {}, {"state_dict": obj.state_dict()}
@@ -74,6 +78,13 @@ def _parts(obj: Any) -> tuple[str, dict[str, DataGadget], Any]:
         "save_checkpoint takes ModelSwitch / ModelFactory, OptimizerSwitch / OptimizerFactory, "
         f"OffloadedOptimizer, nn.Module or torch optimizer objects; got {type(obj).__name__}"
     )
+
+
+def _paged_names(model: nn.Module) -> set[str]:
+    """State-dict names of ``model``'s parameters that a model switcher pages."""
+    from ._model import switch_for
+
+    return {name for name, p in model.named_parameters() if switch_for(p) is not None}
 
 
 def save_checkpoint(
@@ -216,9 +227,15 @@ def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any
         if kind == "module":
             _embedding._EXTERNAL_TABLES.append(True)
             try:
-                obj.load_state_dict(meta["state_dict"])
+                missing, unexpected = obj.load_state_dict(meta["state_dict"], strict=False)
             finally:
                 _embedding._EXTERNAL_TABLES.pop()
+            missing = [k for k in missing if k not in _paged_names(obj)]
+            if missing or unexpected:
+                raise GadgetValueError(
+                    f"checkpoint object {name!r} does not fit this model: missing keys "
+                    f"{sorted(missing)}, unexpected keys {sorted(unexpected)}"
+                )
         elif kind == "optimizer":
             obj.load_state_dict(meta["state_dict"])
         elif kind == "offloaded_optimizer":
