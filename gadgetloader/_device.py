@@ -47,7 +47,16 @@ def resolve_device(device: Any) -> torch.device:
     with one warning where CUDA is missing); anything else as ``torch.device``."""
     if device is None:
         return default_device()
-    dev = torch.device(device)
+    if not isinstance(device, (str, int, torch.device)):
+        raise GadgetTypeError(
+            f"device must be a torch.device, a string or a CUDA index; got {type(device).__name__}"
+        )
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise GadgetTypeError(
+            f"unsupported device {device!r}; expected 'cuda', 'cuda:N' or 'cpu'"
+        ) from exc
     if dev.type == "cuda":
         if not cuda_available():
             warn_fallback(

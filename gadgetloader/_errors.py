@@ -69,3 +69,18 @@ class MissingDependencyError(GadgetError, ImportError):
 class FallbackWarning(UserWarning):
     """Emitted once per process when gadgetloader falls back to a slower path
     (e.g. the ``cuda`` or ``pinned`` placement on a machine without CUDA)."""
+
+
+def as_count(value: object, name: str, *, minimum: int = 1) -> int:
+    """``value`` as an int of at least ``minimum``: integral ints (NumPy ints, integral floats
+    such as ``20.0``) pass; bools, fractions and smaller values raise."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise GadgetTypeError(f"{name} must be an integer; got {value!r}")
+    whole = int(value)  # type: ignore[call-overload]
+    if whole != value:
+        raise GadgetValueError(f"{name} must be a whole number; got {value!r}")
+    if whole < minimum:
+        raise GadgetValueError(f"{name} must be at least {minimum}; got {value!r}")
+    return whole

@@ -28,6 +28,16 @@ __all__ = [
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
+def _holds_bool(seq: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether a (nested) list or tuple holds a Python or NumPy bool anywhere."""
+    types = set(map(type, seq))
+    if bool in types or np.bool_ in types:
+        return True
+    if list in types or tuple in types:
+        return any(_holds_bool(x) for x in seq if isinstance(x, (list, tuple)))
+    return False
+
+
 def _to_tensor(indexes: Any) -> torch.Tensor:
     if isinstance(indexes, torch.Tensor):
         return indexes
@@ -69,6 +79,11 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
         if arr.dtype.kind not in "iu":
             raise GadgetTypeError(
                 f"ids must be integers; got a {type(indexes).__name__} holding {arr.dtype} values"
+            )
+        if _holds_bool(indexes):  # NumPy reads [1, True] as [1, 1]
+            raise GadgetTypeError(
+                f"ids must be integers; got a {type(indexes).__name__} holding bools "
+                "(True / False are not row ids)"
             )
         return _to_tensor(arr)
     raise GadgetTypeError(

@@ -12,11 +12,12 @@ import torch
 from . import io as _io
 from ._device import resolve_device
 from ._dtypes import as_torch_dtype, dtype_name, numpy_dtype
-from ._errors import GadgetError, GadgetTypeError, GadgetValueError
+from ._errors import GadgetError, GadgetKeyError, GadgetTypeError, GadgetValueError
 from ._ids import as_ids, start_range_check
 from .stores import Store, empty_store
 from .stores._base import gather_many as gather_stores
 from .stores._base import scatter_many as scatter_stores
+from .transfer._engine import STRATEGIES
 
 __all__ = ["DataGadget", "as_tensor_data", "gather_many", "scatter_many"]
 
@@ -106,7 +107,11 @@ class DataGadget:
         warning) on a machine without CUDA.
     shape, dtype
         For a new table (``dtype`` defaults to float32). ``dtype`` may be a string
-        (``'float32'``), a NumPy or a torch dtype.
+        (``'float32'``), a NumPy or a torch dtype. With an array or tensor source,
+        ``dtype`` converts it when the cast keeps its kind or widens it (float64 ->
+        float32, int64 -> float32; integers must fit the new type's range), and raises
+        ``GadgetTypeError`` for a cast that would truncate (float -> int): convert
+        such data yourself. A file source must already hold ``dtype``.
     device : str or torch.device, optional
         Where :meth:`getData` delivers rows: the current CUDA device by default, the
         CPU where CUDA is missing.
@@ -151,6 +156,10 @@ class DataGadget:
         requested = placement if placement is not None else ("pinned" if CPUPinn else "cuda")
         self._placement_requested = requested
         self._device = resolve_device(device)
+        if strategy not in STRATEGIES:
+            raise GadgetKeyError(
+                f"Unknown strategy {strategy!r}; expected one of {list(STRATEGIES)}"
+            )
         self._strategy = strategy
         self._source_path: str | None = None
         #: options of a file-backed store (cache_bytes, writable, ...), kept for load()
@@ -185,7 +194,23 @@ class DataGadget:
             if data.dim() == 0:
                 raise GadgetValueError("a table needs at least one axis; got a 0-d array")
             if dtype is not None and as_torch_dtype(dtype) != data.dtype:
-                data = data.to(as_torch_dtype(dtype))
+                target = as_torch_dtype(dtype)
+                if not torch.can_cast(data.dtype, target):
+                    raise GadgetTypeError(
+                        f"the source array is {dtype_name(data.dtype)} and dtype={dtype_name(target)} "
+                        "would change its values (only casts within a kind, e.g. float64 -> "
+                        "float32, or to a wider kind, e.g. int64 -> float32, are made); convert "
+                        "the array first"
+                    )
+                if not target.is_floating_point and data.numel() and not data.dtype.is_complex:
+                    info = torch.iinfo(target) if target != torch.bool else None
+                    lo, hi = data.min().item(), data.max().item()
+                    if info is not None and (lo < info.min or hi > info.max):
+                        raise GadgetValueError(
+                            f"the source array holds values from {lo} to {hi}, outside "
+                            f"{dtype_name(target)}'s range [{info.min}, {info.max}]"
+                        )
+                data = data.to(target)
             as_torch_dtype(data.dtype)
             self._store = empty_store(requested, tuple(data.shape), data.dtype, cuda_dev)
             if data.numel():
@@ -586,8 +611,14 @@ class DataGadget:
             self.load(path, dataset=dataset, format=format, progress=False)
 
     def saveCupy(self, saveFileName: str | os.PathLike[str]) -> None:
-        """Save as .npy (SpeedTorch's name); atomic and streamed like :meth:`save`."""
-        self.save(saveFileName, format="npy")
+        """Save as .npy (SpeedTorch's name); atomic and streamed like :meth:`save`.
+
+        As ``numpy.save`` (which SpeedTorch used), ``.npy`` is appended to a name that
+        does not end with it: ``saveCupy("emb")`` writes ``emb.npy``."""
+        path = os.fspath(saveFileName)
+        if not path.endswith(".npy"):
+            path += ".npy"
+        self.save(path, format="npy")
 
     def loadCupy(self, loadFileName: str | os.PathLike[str]) -> None:
         """Replace the table with the .npy file's contents (SpeedTorch's name), keeping the placement.

@@ -72,6 +72,18 @@ def _check_format(fmt: str) -> str:
     return fmt
 
 
+def _check_dataset(dataset: Any) -> None:
+    """A dataset / array name must be a non-empty string naming something below the root."""
+    if dataset is None:
+        return
+    if not isinstance(dataset, str):
+        raise GadgetTypeError(f"dataset must be a string (a name inside the file); got {dataset!r}")
+    if not dataset.strip("/ "):
+        raise GadgetValueError(
+            f"dataset must name an array inside the file (e.g. 'data' or 'group/emb'); got {dataset!r}"
+        )
+
+
 def open_source(
     path: str | os.PathLike[str],
     *,
@@ -83,6 +95,7 @@ def open_source(
     fmt = _check_format(format) if format else guess_format(path)
     if not os.path.exists(path):
         raise GadgetFileNotFoundError(f"no such file or directory: {path}")
+    _check_dataset(dataset)
     factory = _REGISTRY[fmt][0]
     if dataset is not None:
         kwargs["dataset"] = dataset
@@ -100,6 +113,7 @@ def open_sink(
     """Start writing a ``shape`` / ``dtype`` array to ``path`` (atomically, on commit)."""
     fmt = _check_format(format) if format else guess_format(Path(path), must_exist=False)
     factory = _REGISTRY[fmt][1]
+    _check_dataset(kwargs.get("dataset"))
     options = {k: v for k, v in kwargs.items() if v is not None}
     accepted = _keyword_options(factory)
     if accepted is not None:

@@ -44,6 +44,10 @@ UNCHUNKED_BLOCK_BYTES = 4 << 10
 _RUN_BYTES = 32 << 20
 #: most bytes of blocks assembled at once during a gather
 _BATCH_BYTES = 64 << 20
+
+#: a scatter reads (and so checks) up to this many bytes of the blocks it rewrites before
+#: its first write: a damaged chunk among them leaves the file unchanged
+PRECHECK_BYTES = 256 << 20
 #: pinned buffers and CUDA events inherited through a fork (never freed in the child)
 _INHERITED: list[Any] = []
 #: elementwise initializers that may run block by block
@@ -480,28 +484,49 @@ class FileStore(Store):
         writer = self._source(write=True)
         blk = uid // self.block_rows
         blocks = np.unique(blk)
+        # every block the write touches is read (and so checked) before the first write,
+        # so a damaged chunk found on the way leaves the file unchanged; past
+        # PRECHECK_BYTES of partly written blocks the runs are read and written in turn
+        pending: list[tuple[int, int, np.ndarray]] = []
+        held = 0
         for first, last in self._runs(blocks):
             r0 = self._block_range(first)[0]
             r1 = self._block_range(last)[1]
-            lo = int(np.searchsorted(uid, r0))
-            hi = int(np.searchsorted(uid, r1))
-            if hi - lo == r1 - r0:  # the ids cover the run completely
-                buf = win[lo:hi]
+            buf = self._merged_run(first, last, r0, r1, uid, win)
+            pending.append((first, last, buf))
+            held += 0 if buf.base is win else buf.nbytes
+            if held > PRECHECK_BYTES:
+                self._write_runs(writer, pending)
+                pending, held = [], 0
+        self._write_runs(writer, pending)
+
+    def _merged_run(
+        self, first: int, last: int, r0: int, r1: int, uid: np.ndarray, win: np.ndarray
+    ) -> np.ndarray:
+        """Rows ``r0:r1`` (blocks ``first..last``) as they will be after the write."""
+        lo = int(np.searchsorted(uid, r0))
+        hi = int(np.searchsorted(uid, r1))
+        if hi - lo == r1 - r0:  # the ids cover the run completely
+            return win[lo:hi]
+        buf = np.empty((r1 - r0, *self.row_shape), dtype=self._npd)
+        uncached = []
+        for b in range(first, last + 1):
+            b0, b1 = self._block_range(b)
+            sl = self._lru.get(b)
+            if sl is not None:
+                buf[b0 - r0 : b1 - r0] = self._slot_rows(sl, b)
             else:
-                buf = np.empty((r1 - r0, *self.row_shape), dtype=self._npd)
-                uncached = []
-                for b in range(first, last + 1):
-                    b0, b1 = self._block_range(b)
-                    sl = self._lru.get(b)
-                    if sl is not None:
-                        buf[b0 - r0 : b1 - r0] = self._slot_rows(sl, b)
-                    else:
-                        uncached.append(b)
-                for f2, l2 in self._runs(np.asarray(uncached, dtype=np.int64)):
-                    a0, a1 = self._block_range(f2)[0], self._block_range(l2)[1]
-                    self._source(write=True).read_into(a0, a1, buf[a0 - r0 : a1 - r0])
-                    self.stats["reads"] += 1
-                buf[uid[lo:hi] - r0] = win[lo:hi]
+                uncached.append(b)
+        for f2, l2 in self._runs(np.asarray(uncached, dtype=np.int64)):
+            a0, a1 = self._block_range(f2)[0], self._block_range(l2)[1]
+            self._source(write=True).read_into(a0, a1, buf[a0 - r0 : a1 - r0])
+            self.stats["reads"] += 1
+        buf[uid[lo:hi] - r0] = win[lo:hi]
+        return buf
+
+    def _write_runs(self, writer: ArraySource, runs: list[tuple[int, int, np.ndarray]]) -> None:
+        for first, last, buf in runs:
+            r0 = self._block_range(first)[0]
             writer.write_rows(r0, buf)
             for b in range(first, last + 1):  # the cache is written through as well
                 sl = self._lru.get(b)

@@ -24,7 +24,13 @@ from torch import nn
 
 from .. import io as _io
 from .._dtypes import dtype_name
-from .._errors import GadgetFileNotFoundError, GadgetKeyError, GadgetTypeError, GadgetValueError
+from .._errors import (
+    GadgetFileError,
+    GadgetFileNotFoundError,
+    GadgetKeyError,
+    GadgetTypeError,
+    GadgetValueError,
+)
 from ..gadget import DataGadget
 from . import _embedding
 from ._embedding import OffloadedOptimizer, _OffloadedTable
@@ -182,7 +188,8 @@ def _remove(path: str) -> None:
         pass
 
 
-def _load_table(table: DataGadget, path: str, fmt: str) -> None:
+def _check_table(table: DataGadget, path: str, fmt: str) -> None:
+    """Refuse a table file that is missing, unreadable or of another shape or dtype."""
     src = _io.open_source(path, format=fmt)
     try:
         shape, dtype = tuple(src.shape), src.dtype
@@ -192,11 +199,52 @@ def _load_table(table: DataGadget, path: str, fmt: str) -> None:
         raise GadgetValueError(
             f"{path} holds a {shape} {dtype_name(dtype)} table; expected {table.shape} {dtype_name(table.dtype)}"
         )
-    table.load(path, format=fmt)
+
+
+def _check_module(name: str, obj: nn.Module, saved_sd: Mapping[str, Any]) -> None:
+    """Refuse a saved module state that does not fit ``obj`` (keys or shapes)."""
+    _embedding._EXTERNAL_TABLES.append(True)
+    try:
+        own = obj.state_dict()
+    finally:
+        _embedding._EXTERNAL_TABLES.pop()
+    paged = _paged_names(obj)
+    missing = sorted(k for k in own if k not in saved_sd and k not in paged)
+    unexpected = sorted(k for k in saved_sd if k not in own)
+    if missing or unexpected:
+        raise GadgetValueError(
+            f"checkpoint object {name!r} does not fit this model: missing keys "
+            f"{missing}, unexpected keys {unexpected}"
+        )
+    for k, v in saved_sd.items():
+        mine = own[k]
+        if k in paged or not isinstance(v, torch.Tensor) or not isinstance(mine, torch.Tensor):
+            continue
+        if tuple(v.shape) != tuple(mine.shape):
+            raise GadgetValueError(
+                f"checkpoint object {name!r}: {k} has shape {tuple(v.shape)} in the checkpoint; "
+                f"this model's is {tuple(mine.shape)}"
+            )
+
+
+def _check_optimizer(name: str, opt: torch.optim.Optimizer, saved_sd: Mapping[str, Any]) -> None:
+    """Refuse a saved optimizer state whose parameter groups do not fit ``opt``."""
+    groups = saved_sd.get("param_groups", []) if isinstance(saved_sd, Mapping) else []
+    mine = [len(g["params"]) for g in opt.param_groups]
+    theirs = [len(g.get("params", [])) for g in groups]
+    if mine != theirs:
+        raise GadgetValueError(
+            f"checkpoint object {name!r}: the saved optimizer has parameter groups of sizes "
+            f"{theirs}; this one's are {mine}"
+        )
 
 
 def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any]) -> None:
     """Restore what :func:`save_checkpoint` wrote into freshly built, identically configured objects.
+
+    Every object is checked against the checkpoint (names, kinds, table files, shapes,
+    dtypes, module keys, optimizer parameter groups) before any of them is changed, so a
+    checkpoint that does not fit leaves every object as it was.
 
     Raises
     ------
@@ -209,14 +257,19 @@ def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any
     meta_path = os.path.join(d, _META)
     if not os.path.exists(meta_path):
         raise GadgetFileNotFoundError(f"no checkpoint in {d}: {_META} is missing")
-    saved = torch.load(meta_path, map_location="cpu", weights_only=True)
-    fmt = saved["format"]
+    try:
+        saved = torch.load(meta_path, map_location="cpu", weights_only=True)
+        fmt = saved["format"]
+        saved_objects = saved["objects"]
+    except Exception as exc:
+        raise GadgetFileError(f"{meta_path} is not a gadgetloader checkpoint ({exc})") from exc
+    plan = []
     for name, obj in objects.items():
-        if name not in saved["objects"]:
+        if name not in saved_objects:
             raise GadgetKeyError(
-                f"the checkpoint has no object {name!r}; it holds {sorted(saved['objects'])}"
+                f"the checkpoint has no object {name!r}; it holds {sorted(saved_objects)}"
             )
-        entry = saved["objects"][name]
+        entry = saved_objects[name]
         kind, tables, _ = _parts(obj)
         if kind != entry["kind"] or set(tables) != set(entry["tables"]):
             raise GadgetValueError(
@@ -225,22 +278,27 @@ def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any
             )
         meta = entry["meta"]
         if kind == "module":
+            _check_module(name, obj, meta["state_dict"])
+        elif kind == "optimizer":
+            _check_optimizer(name, obj, meta["state_dict"])
+        elif kind == "offloaded_optimizer":
+            _check_optimizer(name, obj.inner, meta["inner"])
+        files = {t: os.path.join(d, f) for t, f in entry["tables"].items()}
+        for tname, path in files.items():
+            _check_table(tables[tname], path, fmt)
+        plan.append((obj, kind, tables, meta, files))
+    for obj, kind, tables, meta, files in plan:
+        if kind == "module":
             _embedding._EXTERNAL_TABLES.append(True)
             try:
-                missing, unexpected = obj.load_state_dict(meta["state_dict"], strict=False)
+                obj.load_state_dict(meta["state_dict"], strict=False)
             finally:
                 _embedding._EXTERNAL_TABLES.pop()
-            missing = [k for k in missing if k not in _paged_names(obj)]
-            if missing or unexpected:
-                raise GadgetValueError(
-                    f"checkpoint object {name!r} does not fit this model: missing keys "
-                    f"{sorted(missing)}, unexpected keys {sorted(unexpected)}"
-                )
         elif kind == "optimizer":
             obj.load_state_dict(meta["state_dict"])
         elif kind == "offloaded_optimizer":
             obj._load_inner(meta["inner"])
-        for tname, fname in entry["tables"].items():
-            _load_table(tables[tname], os.path.join(d, fname), fmt)
+        for tname, path in files.items():
+            tables[tname].load(path, format=fmt)
         if kind == "optimizer_switch":
             obj._need_pager().set_scalar_state(meta["scalars"])

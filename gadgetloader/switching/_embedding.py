@@ -10,17 +10,19 @@ The user's loop is only forward / backward / ``step()``.
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812 (the torch idiom)
 from torch import nn
 
 from .._device import cupy_available, resolve_device
 from .._dtypes import as_torch_dtype, dtype_name
-from .._errors import GadgetTypeError, GadgetValueError
+from .._errors import GadgetTypeError, GadgetValueError, as_count
 from .._ids import as_ids, range_check_of
 from ..gadget import DataGadget
 from ..stores._base import FusedRows
@@ -114,14 +116,15 @@ class _OffloadedTable(nn.Module):
         init: Callable[..., Any] | None,
     ) -> None:
         super().__init__()
-        if int(num_embeddings) <= 0 or int(embedding_dim) <= 0:
-            raise GadgetValueError(
-                f"num_embeddings and embedding_dim must be positive; got {num_embeddings}, {embedding_dim}"
-            )
-        self.num_embeddings = int(num_embeddings)
-        self.embedding_dim = int(embedding_dim)
+        self.num_embeddings = as_count(num_embeddings, "num_embeddings")
+        self.embedding_dim = as_count(embedding_dim, "embedding_dim")
         self.compute_device = resolve_device(device)
         td = as_torch_dtype(dtype)
+        if not td.is_floating_point:
+            raise GadgetTypeError(
+                f"an embedding table needs a floating-point dtype (float32, float16, bfloat16, "
+                f"float64); got {dtype_name(td)}"
+            )
         self.table = DataGadget(
             shape=(self.num_embeddings, self.embedding_dim),
             dtype=td,
@@ -379,7 +382,15 @@ class _OffloadedTable(nn.Module):
         key = prefix + "weight"
         if key in state_dict:
             t = state_dict[key]
-            if tuple(t.shape) != self.table.shape:
+            if isinstance(t, np.ndarray):
+                t = torch.from_numpy(t)
+            if not isinstance(t, torch.Tensor):
+                error_msgs.append(
+                    f"{key}: expected a tensor or NumPy array, got {type(t).__name__}"
+                )
+            elif not (t.is_floating_point() or t.dtype == self.table.dtype):
+                error_msgs.append(f"{key}: expected floating-point values, got {t.dtype}")
+            elif tuple(t.shape) != self.table.shape:
                 error_msgs.append(
                     f"size mismatch for {key}: expected {self.table.shape}, got {tuple(t.shape)}"
                 )
@@ -506,19 +517,80 @@ class OffloadedEmbeddingBag(_OffloadedTable):
     def extra_repr(self) -> str:
         return super().extra_repr() + f", mode={self.mode!r}"
 
+    def _check_bag_args(
+        self, input: Any, offsets: Any, per_sample_weights: Any
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        shape = tuple(input.shape) if hasattr(input, "shape") else tuple(np.shape(input))
+        n = math.prod(shape)
+        if len(shape) == 2:
+            if offsets is not None:
+                raise GadgetValueError(
+                    f"offsets go with a 1-D input; got a 2-D input of shape {shape} (one bag "
+                    "per row) and offsets"
+                )
+        elif len(shape) == 1:
+            if offsets is None:
+                raise GadgetValueError(
+                    "a 1-D input needs offsets (or pass a 2-D input: one bag per row)"
+                )
+            offsets = torch.as_tensor(offsets)
+            if offsets.dtype not in (torch.int32, torch.int64) or offsets.dim() != 1:
+                raise GadgetTypeError(
+                    "offsets must be a 1-D int64 (or int32) tensor of bag starts; got "
+                    f"{offsets.dtype} of shape {tuple(offsets.shape)}"
+                )
+            if offsets.numel() == 0:
+                raise GadgetValueError("offsets must hold at least one bag start; got none")
+            off = offsets.to(torch.int64)
+            first, last = off[0], off[-1]
+            ordered = bool(
+                torch.stack(
+                    (
+                        first == 0,
+                        (off[1:] >= off[:-1]).all(),
+                        (last == n) if self.include_last_offset else (last <= n),
+                    )
+                ).all()
+            )  # one read-back for CUDA offsets
+            if not ordered:
+                end = f"end with {n}" if self.include_last_offset else f"not exceed {n}"
+                raise GadgetValueError(
+                    f"offsets must start at 0, never decrease and {end} (the input's length); "
+                    f"got {offsets.tolist() if offsets.numel() <= 16 else 'offsets outside that'}"
+                )
+        else:
+            raise GadgetValueError(
+                f"input must be 1-D (with offsets) or 2-D (one bag per row); got shape {shape}"
+            )
+        if per_sample_weights is not None:
+            w = per_sample_weights
+            if (
+                not isinstance(w, torch.Tensor)
+                or not w.is_floating_point()
+                or tuple(w.shape) != shape
+            ):
+                got = (
+                    f"{w.dtype} of shape {tuple(w.shape)}"
+                    if isinstance(w, torch.Tensor)
+                    else type(w).__name__
+                )
+                raise GadgetTypeError(
+                    f"per_sample_weights must be a floating-point tensor of the input's shape "
+                    f"{shape}; got {got}"
+                )
+        return offsets, per_sample_weights
+
     def forward(
         self,
         input: Any,
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        # checked before the lookup is recorded: bad arguments leave no pending rows
+        offsets, per_sample_weights = self._check_bag_args(input, offsets, per_sample_weights)
         local, rows, _ = self._rows_for(input)
-        if local.dim() == 1 and offsets is None:
-            raise GadgetValueError(
-                "a 1-D input needs offsets (or pass a 2-D input: one bag per row)"
-            )
         if offsets is not None:
-            offsets = torch.as_tensor(offsets, device=local.device)
+            offsets = offsets.to(local.device)
         if per_sample_weights is not None:
             per_sample_weights = per_sample_weights.to(local.device)
         return F.embedding_bag(
@@ -679,6 +751,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         plans: list[RowPlan | None] = []
         for m, before in zip(self.tables, old, strict=True):
             if not m._has_pending_grads():
+                if m._pending:  # lookups without a gradient (yet): a late one is reported
+                    m._retired[:] = [rows for _, rows in m._pending]
                 m._pending.clear()
                 m._forward_states.clear()
                 plans.append(before)
@@ -779,20 +853,33 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 f"expected an OffloadedOptimizer state_dict for {len(self.pagers)} offloaded tables; "
                 f"got keys {sorted(state_dict)}"
             )
-        self._load_inner(state_dict["inner"])
-        for pager, tables in zip(self.pagers, state_dict["tables"], strict=False):
-            if set(tables) != set(pager.tables):
+        # check everything before writing anything: a bad state dict changes nothing
+        writes = []
+        for pager, tables in zip(self.pagers, state_dict["tables"], strict=True):
+            if not isinstance(tables, dict) or set(tables) != set(pager.tables):
+                got = sorted(tables) if isinstance(tables, dict) else type(tables).__name__
                 raise GadgetValueError(
-                    f"state tables {sorted(tables)} do not match this optimizer's {sorted(pager.tables)}"
+                    f"state tables {got} do not match this optimizer's {sorted(pager.tables)}"
                 )
             for key, t in tables.items():
                 table = pager.tables[key]
+                if not isinstance(t, torch.Tensor):
+                    raise GadgetTypeError(
+                        f"state table {key!r}: expected a tensor, got {type(t).__name__}"
+                    )
                 if tuple(t.shape) != table.shape:
                     raise GadgetValueError(
                         f"state table {key!r}: expected shape {table.shape}, got {tuple(t.shape)}"
                     )
-                table.store.write_block(0, t.to(table.dtype))
-                table.store.synchronize()
+                if not (t.is_floating_point() or t.dtype == table.dtype):
+                    raise GadgetTypeError(
+                        f"state table {key!r}: expected a floating-point tensor, got {t.dtype}"
+                    )
+                writes.append((table, t))
+        self._load_inner(state_dict["inner"])
+        for table, t in writes:
+            table.store.write_block(0, t.to(table.dtype))
+            table.store.synchronize()
 
     def _load_inner(self, sd: dict[str, Any]) -> None:
         self.inner.load_state_dict(sd)

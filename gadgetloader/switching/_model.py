@@ -20,11 +20,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import io as _io
 from .._dtypes import as_torch_dtype, dtype_name
-from .._errors import GadgetTypeError, GadgetValueError
+from .._errors import GadgetTypeError, GadgetValueError, as_count
 from .._ids import as_ids
 from ..gadget import DataGadget
 from ..stores._base import gather_many as gather_stores
 from ._rows import DUPLICATE_MODES, PlanCache, RowPlan, plan_rows, split_local
+from ._torchfile import check_tensor, load_torch_file, save_torch_file
 
 __all__ = ["ModelSwitch", "resolve_parameter", "switch_for"]
 
@@ -107,8 +108,8 @@ class ModelSwitch:
     ) -> None:
         self.param = resolve_parameter(model_variable)
         self.model_variable = model_variable
-        if int(total_classes) <= 0:
-            raise GadgetValueError(f"total_classes must be positive; got {total_classes}")
+        total_classes = as_count(total_classes, "total_classes")
+        embed_dimension = as_count(embed_dimension, "embed_dimension")
         row_shape = tuple(self.param.shape[1:])
         if row_shape != (int(embed_dimension),):
             raise GadgetValueError(
@@ -205,16 +206,16 @@ class ModelSwitch:
         back last wins -- use the local ids that :meth:`beforeForwardPass` returns
         (``duplicates='merge'``) for exact results.
         """
+        b = as_count(batchSize, "batchSize")
+        p = as_count(posPerBatch, "posPerBatch")
+        q = None if negPerBatch is None else as_count(negPerBatch, "negPerBatch", minimum=0)
         self._transformed = True
         self._cache.clear()  # the layout may have changed
-        n_pos = int(batchSize) * int(posPerBatch)
-        pos = np.arange(n_pos, dtype=np.int64).reshape(int(batchSize), int(posPerBatch))
-        if negPerBatch is None:
+        n_pos = b * p
+        pos = np.arange(n_pos, dtype=np.int64).reshape(b, p)
+        if q is None:
             return pos
-        n_neg = int(batchSize) * int(negPerBatch)
-        neg = np.arange(n_pos, n_pos + n_neg, dtype=np.int64).reshape(
-            int(batchSize), int(negPerBatch)
-        )
+        neg = np.arange(n_pos, n_pos + b * q, dtype=np.int64).reshape(b, q)
         return pos, neg
 
     def plan(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> RowPlan:
@@ -322,6 +323,13 @@ class ModelSwitch:
         rows = self.param.detach()
         n = plan.num_rows
         store = self.table.store
+        row_shape = tuple(self.table.shape[1:])
+        if tuple(rows.shape[1:]) != row_shape or rows.shape[0] < n:
+            raise GadgetValueError(
+                f"the model variable has shape {tuple(rows.shape)}; expected ({n} or more, "
+                f"{', '.join(map(str, row_shape))}) rows for the {n} rows loaded by "
+                "beforeForwardPass (was its .data replaced with another shape?)"
+            )
         rows = rows[:n]
         if rows.dtype != store.dtype:
             rows = rows.to(store.dtype)
@@ -343,7 +351,7 @@ class ModelSwitch:
         return self.table.getNumpyVersion()
 
     def saveCupy(self, saveFileName: str | os.PathLike[str]) -> None:
-        """Save the full table as .npy."""
+        """Save the full table as .npy (``.npy`` is appended to a name without it, as ``numpy.save`` does)."""
         self.table.saveCupy(saveFileName)
 
     def loadCupy(self, loadFileName: str | os.PathLike[str]) -> None:
@@ -374,16 +382,16 @@ class ModelSwitch:
         self.table.load(path, **kwargs)
 
     def saveTorch(self, saveFileName: str | os.PathLike[str]) -> None:
-        """Save the full table with ``torch.save`` (a CPU tensor)."""
-        torch.save(torch.from_numpy(self.table.getNumpyVersion()), saveFileName)
+        """Save the full table with ``torch.save`` (a CPU tensor).
+
+        Written beside the target and renamed over it, so a save that fails part-way
+        leaves any previous file whole.
+        """
+        save_torch_file(torch.from_numpy(self.table.getNumpyVersion()), saveFileName)
 
     def loadTorch(self, loadFileName: str | os.PathLike[str]) -> None:
         """Load a table saved with :meth:`saveTorch` (shape and dtype must match)."""
-        t = torch.load(loadFileName, map_location="cpu", weights_only=True)
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != self.table.shape:
-            raise GadgetValueError(
-                f"{os.fspath(loadFileName)} holds {getattr(t, 'shape', type(t).__name__)}; "
-                f"expected a tensor of shape {self.table.shape}"
-            )
-        self.table.store.write_block(0, t.to(self.table.dtype))
+        t = load_torch_file(loadFileName)
+        check_tensor(t, os.fspath(loadFileName), self.table.shape, self.table.dtype)
+        self.table.store.write_block(0, t)
         self.table.store.synchronize()

@@ -19,18 +19,22 @@ and the recorded values are the rows a never-trained row starts from (so Rprop's
 from __future__ import annotations
 
 import inspect
+import os
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import torch
 
-from .._errors import GadgetKeyError, GadgetTypeError, GadgetValueError
+from .._errors import GadgetKeyError, GadgetTypeError, GadgetValueError, as_count
 from ..gadget import DataGadget
 from ..stores import Store
 from ..stores._base import FusedRows
 from ..stores._base import gather_many as gather_stores
 from ..stores._base import scatter_many as scatter_stores
 from ._rows import PlanCache, exact_plan
+from ._torchfile import check_tensor, load_torch_file, save_torch_file
 
 if TYPE_CHECKING:
     from ._rows import RowPlan
@@ -251,6 +255,9 @@ class StatePager:
     ) -> None:
         self.optimizer = optimizer
         self.param = param
+        #: the dtype the parameter has while a model switcher pages it (its table's dtype):
+        #: the optimizer's state rows must match it, whatever dtype the state tables keep
+        self._param_dtype = table.dtype if table is not None else None
         self.layout = probe_state(optimizer, param)
         row_shape = tuple(param.shape[1:])
         self.tables: dict[str, DataGadget] = {}
@@ -352,7 +359,8 @@ class StatePager:
                     rows[n:].zero_()
                 else:
                     rows[n:].copy_(init.to(dev, store.dtype).expand(cap - n, *store.row_shape))
-            state[key] = rows if rows.dtype == init.dtype else rows.to(init.dtype)
+            want = self._param_dtype or init.dtype
+            state[key] = rows if rows.dtype == want else rows.to(want)
         for key, value in self.layout.init_scalars.items():
             if key not in state:
                 state[key] = _snapshot(value)
@@ -610,10 +618,8 @@ class OptimizerSwitch:
             raise GadgetValueError(
                 f"embed_dimension={embed_dimension} but {variable_name!r} has rows of shape {row_shape}"
             )
-        if int(total_classes) <= 0:
-            raise GadgetValueError(f"total_classes must be positive; got {total_classes}")
-        self.total_classes = int(total_classes)
-        self.embed_dimension = int(embed_dimension)
+        self.total_classes = as_count(total_classes, "total_classes")
+        self.embed_dimension = as_count(embed_dimension, "embed_dimension")
         self.variable_name = variable_name
         self._dtype = as_torch_dtype(dtype) if dtype is not None else None
         self._placement = placement
@@ -629,6 +635,48 @@ class OptimizerSwitch:
         """The state tables by state name (after :meth:`optInit`)."""
         return dict(self._need_pager().tables)
 
+    # ---- whole state tables (SpeedTorch's names) ------------------------------------
+    def getNumpyVersion(self) -> dict[str, np.ndarray]:
+        """Every state table as a NumPy array, by state name (e.g. ``exp_avg``)."""
+        return {k: t.getNumpyVersion() for k, t in self._need_pager().tables.items()}
+
+    def customInit(self, initFunction: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Fill every state table with an in-place torch initializer, e.g.
+        ``customInit(torch.nn.init.constant_, 0.1)`` for an Adagrad accumulator."""
+        for t in self._need_pager().tables.values():
+            t.init_(initFunction, *args, **kwargs)
+
+    def saveTorch(self, saveFileName: str | os.PathLike[str]) -> None:
+        """Save the state tables with ``torch.save`` as ``{state name: CPU tensor}``,
+        atomically (a save that fails part-way leaves any previous file whole)."""
+        save_torch_file(
+            {k: torch.from_numpy(v) for k, v in self.getNumpyVersion().items()}, saveFileName
+        )
+
+    def loadTorch(self, loadFileName: str | os.PathLike[str]) -> None:
+        """Load state tables saved with :meth:`saveTorch`: a ``{state name: tensor}`` dict,
+        or (SpeedTorch's layout) a list of tensors in :attr:`tables` order. Names, shapes
+        and dtypes must match; everything is checked before any table is written."""
+        tables = self._need_pager().tables
+        path = os.fspath(loadFileName)
+        got = load_torch_file(path)
+        if isinstance(got, (list, tuple)):
+            if len(got) != len(tables):
+                raise GadgetValueError(
+                    f"{path} holds {len(got)} tensors; this optimizer has {len(tables)} state "
+                    f"tables {list(tables)}"
+                )
+            got = dict(zip(tables, got, strict=True))
+        if not isinstance(got, dict) or set(got) != set(tables):
+            names = sorted(got) if isinstance(got, dict) else type(got).__name__
+            raise GadgetValueError(f"{path} holds state tables {names}; expected {sorted(tables)}")
+        checked = {
+            k: check_tensor(got[k], f"{path}[{k!r}]", t.shape, t.dtype) for k, t in tables.items()
+        }
+        for k, t in tables.items():
+            t.store.write_block(0, checked[k])
+            t.store.synchronize()
+
     def optInit(self) -> None:
         """Create the state tables, filled as torch initialises a fresh parameter's state.
 
@@ -638,12 +686,17 @@ class OptimizerSwitch:
         ``beforeForwardPass`` then gathers each row's state with the row, and its
         ``afterOptimizerStep`` writes both back (this switcher's own calls then find
         the work done); the protocol and the results are unchanged."""
-        if self.pager is not None:
-            for t in self.pager.tables.values():
-                t.close()
         from ._model import switch_for
 
         sw = switch_for(self.param)
+        if sw is not None and sw.total_classes != self.total_classes:
+            raise GadgetValueError(
+                f"this optimizer switcher has total_classes={self.total_classes} but the model "
+                f"switcher of {self.variable_name!r} has {sw.total_classes}; they must match"
+            )
+        if self.pager is not None:
+            for t in self.pager.tables.values():
+                t.close()
         self.pager = StatePager(
             self.optimizer,
             self.param,
