@@ -36,6 +36,19 @@ def test_auto_policy(with_cupy: None) -> None:
     assert _engine.resolve_strategy("torch", big, 131072, host) == "torch"
 
 
+def test_auto_sorts_large_requests_and_keeps_wide_rows_on_the_gpu(with_cupy: None) -> None:
+    host = torch.empty(1)
+    small = _table(512 << 20)
+    assert _engine.resolve_strategy("auto", small, _engine.SORT_FROM_IDS - 1, host) == "kernel"
+    assert _engine.resolve_strategy("auto", small, _engine.SORT_FROM_IDS, host) == "sorted"
+    assert _engine.resolve_strategy("auto", small, 1 << 20, host, kind="scatter") == "kernel"
+    for width, expect in ((128, "hybrid"), (255, "hybrid"), (256, "sorted"), (1024, "sorted")):
+        wide = torch.empty(((64 << 30) // (4 * width), width), dtype=torch.float32, device="meta")
+        assert _engine.resolve_strategy("auto", wide, 131072, host) == expect, width
+    narrow = torch.empty(((16 << 30) // 32, 8), dtype=torch.float32, device="meta")
+    assert _engine.resolve_strategy("auto", narrow, 131072, host) == "hybrid"  # 32 B rows
+
+
 def test_without_cupy_everything_uses_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_engine, "cupy_available", lambda: False)
     for s in ("auto", "kernel", "sorted", "hybrid", "torch"):

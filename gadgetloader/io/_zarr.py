@@ -15,6 +15,8 @@ bfloat16 is stored as uint16 bits with the attribute
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import os
 import sys
 import threading
@@ -503,7 +505,15 @@ class ZarrSink(ArraySink):
         )
 
     def _write_raw(self, start: int, rows: np.ndarray) -> None:
-        self._arr[start : start + rows.shape[0]] = rows
+        # zarr writes on its own event-loop thread: an interrupt (Ctrl-C) while this thread
+        # waits would leave that write running, and re-creating chunk files in the directory
+        # that abort() removes. The write runs on a helper thread and is waited out first.
+        fut = _writer().submit(self._arr.__setitem__, slice(start, start + rows.shape[0]), rows)
+        try:
+            fut.result()
+        except BaseException:
+            _wait_out(fut)
+            raise
 
     def write(self, start: int, rows: np.ndarray) -> None:
         self._aligner.write(start, as_bits(rows, self.dtype))
@@ -515,6 +525,25 @@ class ZarrSink(ArraySink):
 
     def abort(self) -> None:
         remove_path(self._tmp)
+
+
+_WRITER: list[concurrent.futures.ThreadPoolExecutor] = []
+_WRITER_PID = [0]
+
+
+def _writer() -> concurrent.futures.ThreadPoolExecutor:
+    """One helper thread per process for zarr writes (see ``ZarrSink._write_raw``)."""
+    if not _WRITER or _WRITER_PID[0] != os.getpid():
+        _WRITER[:] = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gl-zarr")]
+        _WRITER_PID[0] = os.getpid()
+    return _WRITER[0]
+
+
+def _wait_out(fut: concurrent.futures.Future[Any]) -> None:
+    """Wait until ``fut`` is done, through further interrupts."""
+    while not fut.done():
+        with contextlib.suppress(BaseException):
+            concurrent.futures.wait([fut])
 
 
 def describe(path: str, dataset: str | None = None) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from .._dtypes import numpy_dtype
-from .._errors import GadgetTypeError, GadgetValueError, ReadOnlyError
+from .._errors import GadgetFileError, GadgetTypeError, GadgetValueError, ReadOnlyError
 from .._ids import last_writer
 from ..io import open_source
 from ..io._base import ArraySource
@@ -50,6 +51,25 @@ _BATCH_BYTES = 64 << 20
 PRECHECK_BYTES = 256 << 20
 #: pinned buffers and CUDA events inherited through a fork (never freed in the child)
 _INHERITED: list[Any] = []
+
+#: one lock per (process, file, dataset): every read and write of a file-backed table holds
+#: it, so threads sharing one table, or several tables of one file, never interleave
+_LOCKS: dict[tuple[int, tuple[str, str | None]], threading.RLock] = {}
+_LOCKS_GUARD = threading.Lock()
+#: the open file-backed tables of each (file, dataset) in this process: a write through one
+#: drops the others' cached blocks
+_OPEN: dict[tuple[str, str | None], weakref.WeakSet[FileStore]] = {}
+
+
+def _file_lock(key: tuple[str, str | None]) -> threading.RLock:
+    k = (os.getpid(), key)  # a forked child makes its own (a parent's may be held)
+    lock = _LOCKS.get(k)
+    if lock is None:
+        with _LOCKS_GUARD:
+            lock = _LOCKS.setdefault(k, threading.RLock())
+    return lock
+
+
 #: elementwise initializers that may run block by block
 _ELEMENTWISE: tuple[Any, ...] = (
     torch.Tensor.zero_,
@@ -91,9 +111,17 @@ class FileStore(Store):
     ``non_blocking=True``. ``stats`` counts cache hits, misses and read calls.
 
     Writes go straight to the file, block by block; they are visible to this store
-    (its cache is written through as well) but not to copies in other processes,
-    whose caches may hold older rows. A failure part-way (a full disk) can leave
-    earlier blocks of that call written.
+    (its cache is written through as well) and to the other tables of the same file in
+    this process (their cached blocks are dropped), but not to copies in other
+    processes, whose caches may hold older rows; only one process may write a .npy or
+    zarr file at a time (HDF5 enforces this with its file lock). A failure part-way (a
+    full disk) can leave earlier blocks of that call written.
+
+    Threads may share a store: every read and write holds a lock per file. Every
+    call also checks that the file is still the one the store opened: a file replaced
+    on disk (by another ``save``, or a program writing a new file under its name), or a
+    .npy rewritten shorter, raises :class:`~gadgetloader.GadgetFileError` (open the new
+    file with a new table, or ``DataGadget.load``) instead of mixing two files' rows.
     """
 
     placement = "file"
@@ -148,6 +176,11 @@ class FileStore(Store):
                 f"{self._format} file cannot be written in place: e.g. a Fortran-ordered .npy)"
             )
         self._writable = bool(can_write if writable is None else writable)
+        self._key = (os.path.realpath(self._path), self._dataset)
+        st = os.stat(self._path)
+        #: the file this store opened: (device, inode), and a .npy's size (fixed by its header)
+        self._ident = (st.st_dev, st.st_ino)
+        self._size0 = st.st_size if self._format == "npy" else None
         self._reset_process_state()
         self._watch()
 
@@ -160,9 +193,46 @@ class FileStore(Store):
         self._holder[0] = value
 
     def _watch(self) -> None:
-        """Close the file when the store is garbage-collected (not at interpreter exit)."""
+        """Close the file when the store is garbage-collected (not at interpreter exit);
+        list the store among its file's open tables."""
         fin = weakref.finalize(self, _close_held, self._holder)
         fin.atexit = False
+        with _LOCKS_GUARD:
+            _OPEN.setdefault(self._key, weakref.WeakSet()).add(self)
+
+    @contextlib.contextmanager
+    def _guard(self) -> Any:
+        """Hold the file's lock and check the file is still the one this store opened."""
+        with _file_lock(self._key):
+            self._check_file()
+            yield
+
+    def _check_file(self) -> None:
+        try:
+            st = os.stat(self._path)
+        except OSError as exc:
+            raise GadgetFileError(
+                f"{self._path} is gone ({exc.strerror}); this file-backed table cannot read or "
+                "write it any more"
+            ) from exc
+        if (st.st_dev, st.st_ino) != self._ident:
+            raise GadgetFileError(
+                f"{self._path} was replaced on disk since this table opened it (by a save or "
+                "another program); open the new file with a new DataGadget (or call load()) "
+                "instead of mixing rows of two files"
+            )
+        if self._size0 is not None and st.st_size < self._size0:
+            raise GadgetFileError(
+                f"{self._path} shrank from {self._size0} to {st.st_size} bytes since this table "
+                "opened it (rewritten in place?); open it again"
+            )
+
+    def _drop_others(self) -> None:
+        """After a write: other tables of this file in this process forget cached blocks."""
+        for other in list(_OPEN.get(self._key, ())):
+            if other is not self and other._pid == os.getpid() and other._lru:
+                other._lru.clear()
+                other._free = list(range(other._capacity - 1, -1, -1))
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
@@ -433,7 +503,7 @@ class FileStore(Store):
             sel = pos >= 0
             result[order[lo:hi][sel]] = tmp[pos[sel] * b_rows + local[lo:hi][sel]]
 
-    def gather(
+    def _gather(
         self,
         ids: torch.Tensor,
         device: torch.device,
@@ -469,7 +539,7 @@ class FileStore(Store):
             return out
         return shaped
 
-    def scatter(
+    def _scatter(
         self, ids: torch.Tensor, rows: torch.Tensor, strategy: str = "auto", *, unique: bool = False
     ) -> None:
         """``table[ids] = rows`` written through to the file; a repeated id takes its last row."""
@@ -534,13 +604,13 @@ class FileStore(Store):
                     b0, b1 = self._block_range(b)
                     self._slot_rows(sl, b)[...] = buf[b0 - r0 : b1 - r0]
 
-    def read_block(self, start: int, stop: int) -> torch.Tensor:
+    def _read_block(self, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` read from the file as a new CPU tensor."""
         self.check_open()
         buf = self._read_rows(start, stop)
         return _torch_bits(buf, self._dtype)
 
-    def write_block(self, start: int, rows: torch.Tensor) -> None:
+    def _write_block(self, start: int, rows: torch.Tensor) -> None:
         """Write contiguous rows from ``start`` through to the file."""
         self.check_writable()
         data = _numpy_bits(rows.detach().cpu().contiguous())
@@ -550,6 +620,41 @@ class FileStore(Store):
         self._source(write=True).write_rows(start, data)
         for b in range(start // self.block_rows, (stop - 1) // self.block_rows + 1):
             self._forget(b)
+
+    # ---- public entry points: one file lock, a check that the file is unchanged -----------------
+    def gather(
+        self,
+        ids: torch.Tensor,
+        device: torch.device,
+        out: torch.Tensor | None = None,
+        strategy: str = "auto",
+    ) -> torch.Tensor:
+        """Rows at ``ids`` on ``device``; reads each needed block once (cache first)."""
+        self.check_open()
+        with self._guard():
+            return self._gather(ids, device, out, strategy)
+
+    def scatter(
+        self, ids: torch.Tensor, rows: torch.Tensor, strategy: str = "auto", *, unique: bool = False
+    ) -> None:
+        """``table[ids] = rows`` written through to the file; a repeated id takes its last row."""
+        self.check_writable()
+        with self._guard():
+            self._scatter(ids, rows, strategy, unique=unique)
+            self._drop_others()
+
+    def read_block(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` read from the file as a new CPU tensor."""
+        self.check_open()
+        with self._guard():
+            return self._read_block(start, stop)
+
+    def write_block(self, start: int, rows: torch.Tensor) -> None:
+        """Write contiguous rows from ``start`` through to the file."""
+        self.check_writable()
+        with self._guard():
+            self._write_block(start, rows)
+            self._drop_others()
 
     def apply_(self, fn: Any, *args: Any, **kwargs: Any) -> None:
         """Run an elementwise initializer (``zero_``, ``fill_``, ``uniform_``, ``normal_``,
@@ -577,8 +682,9 @@ class FileStore(Store):
 
     def flush(self) -> None:
         """Ask the source to push written rows to the file (where it buffers)."""
-        if self._src is not None and hasattr(self._src, "flush"):
-            self._src.flush()
+        with _file_lock(self._key):
+            if self._src is not None and hasattr(self._src, "flush"):
+                self._src.flush()
 
     def synchronize(self) -> None:
         ev = [e for e in self._events if e is not None]

@@ -735,6 +735,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"OffloadedOptimizer({self.inner!r}, offloaded tables={len(self.tables)})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's Optimizer.__getstate__ would copy a shell without the inner optimizer and
+        # the state tables, which fails later with AttributeErrors
+        raise GadgetTypeError(
+            "an OffloadedOptimizer cannot be copied or pickled (its state lives in the offloaded "
+            "tables' stores); save it with state_dict() or gl.save_checkpoint() and build a new "
+            "OffloadedOptimizer over the copied model to load it into"
+        )
+
     @torch.no_grad()
     def prepare_grads(self) -> None:
         """Merge each offloaded table's row gradients into its per-step parameter now.

@@ -36,6 +36,18 @@ SORT_ABOVE_BYTES = 1 << 31
 #: the GPU's address translation limits even a sorted gather, and CPU threads take a share
 HYBRID_GAP_BYTES = 48 << 10
 
+#: requests of at least this many ids are sorted whatever the table's size: on the H200 a
+#: 0.5 GB table gave 50 GB/s sorted against 33 unsorted for 976,562 x 512 B ids (71.5 against
+#: 50.9 on another loan) and 66 against 51 for 488,281 x 1 KB; at 131,072 ids the sort's
+#: cost outweighs its gain there (kernel 49 against sorted 41-47 GB/s)
+SORT_FROM_IDS = 1 << 18
+
+#: rows at least this wide are gathered by the GPU alone even on huge tables: a sparse GPU
+#: gather moves a roughly fixed number of rows per second (its address translations), so
+#: wide rows reach the link anyway -- on the H200's 64 GB table, 1 KB rows sorted 45 GB/s and
+#: 4 KB rows 50 GB/s, against 24-34 GB/s with the CPU taking a share
+HYBRID_MAX_ROW_BYTES = 1024
+
 #: ``auto`` considers ``hybrid`` only from this many ids: below it the CPU share's fixed
 #: costs (a stream synchronisation, a staging copy, thread start-up) outweigh its gain
 #: (the switchers' few thousand rows per step measured slower with it on the H200)
@@ -62,11 +74,14 @@ def resolve_strategy(
 ) -> str:
     """Turn ``auto`` into a concrete strategy for one call; validate names.
 
-    ``auto`` (measured on an H200, see DESIGN.md): tables up to 2 GB or requests of
-    up to 1024 ids -> ``kernel``; larger tables -> ``sorted`` while the ids are dense
-    enough (at most :data:`HYBRID_GAP_BYTES` of table per id) or the request is small
-    (under :data:`HYBRID_MIN_IDS` ids), else ``hybrid`` where the table has a host view. Scatters always sort (that is how repeats are
-    merged), so ``auto`` scatters with ``kernel``.
+    ``auto`` (measured on an H200, see DESIGN.md): requests of up to 1024 ids ->
+    ``kernel``; tables up to 2 GB -> ``kernel``, or ``sorted`` from
+    :data:`SORT_FROM_IDS` ids; larger tables -> ``sorted`` while the ids are dense
+    enough (at most :data:`HYBRID_GAP_BYTES` of table per id), the request is small
+    (under :data:`HYBRID_MIN_IDS` ids) or the rows are wide (at least
+    :data:`HYBRID_MAX_ROW_BYTES`), else ``hybrid`` where the table has a host view.
+    Scatters always sort (that is how repeats are merged), so ``auto`` scatters with
+    ``kernel``.
     """
     if strategy not in STRATEGIES:
         raise GadgetKeyError(f"Unknown strategy {strategy!r}; expected one of {list(STRATEGIES)}")
@@ -77,9 +92,17 @@ def resolve_strategy(
     if strategy != "auto":
         return strategy
     nbytes = table.shape[0] * _kernels.pitch_nbytes(table) if table.dim() else 0
-    if kind == "scatter" or nbytes <= SORT_ABOVE_BYTES or n_ids <= 1024:
+    if kind == "scatter" or n_ids <= 1024:
         return "kernel"
-    if host is None or n_ids < HYBRID_MIN_IDS or nbytes / n_ids <= HYBRID_GAP_BYTES:
+    if nbytes <= SORT_ABOVE_BYTES:
+        return "sorted" if n_ids >= SORT_FROM_IDS else "kernel"
+    row_bytes = math.prod(table.shape[1:]) * table.element_size()
+    if (
+        host is None
+        or n_ids < HYBRID_MIN_IDS
+        or nbytes / n_ids <= HYBRID_GAP_BYTES
+        or row_bytes >= HYBRID_MAX_ROW_BYTES
+    ):
         return "sorted"
     return "hybrid"
 
