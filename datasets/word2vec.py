@@ -62,8 +62,11 @@ def build_vocab(path: str | os.PathLike[str], min_count: int = 1) -> tuple[Vocab
     (words rarer than ``min_count`` dropped)."""
     counts = collections.Counter(_tokens(path))
     kept = [(w, c) for w, c in counts.most_common() if c >= min_count]
-    if not kept:
-        raise ValueError(f"{os.fspath(path)}: no word occurs at least {min_count} times")
+    if len(kept) < 2:
+        raise ValueError(
+            f"{os.fspath(path)}: {len(kept)} distinct word(s) occur at least {min_count} times; "
+            "skip-gram needs at least 2 (a word and others to tell it from)"
+        )
     vocab = Vocab([w for w, _ in kept], np.array([c for _, c in kept], dtype=np.int64))
     ids = np.fromiter((vocab.index.get(t, -1) for t in _tokens(path)), dtype=np.int64)
     return vocab, ids[ids >= 0]
@@ -157,7 +160,7 @@ def train(
     window: int = 5,
     negatives: int = 5,
     batch_size: int = 4096,
-    lr: float = 0.002,
+    lr: float = 0.01,
     min_count: int = 1,
     placement: str = "pinned",
     device: Any = None,
@@ -233,18 +236,48 @@ def train(
     return Word2VecResult(vocab, model, losses)
 
 
+def _count(low: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected a number of at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m datasets.word2vec", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("corpus", help="a text file")
-    p.add_argument("--dim", type=int, default=100)
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--window", type=int, default=5)
-    p.add_argument("--negatives", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=4096, help="(center, context) pairs per step")
-    p.add_argument("--lr", type=float, default=0.002)
-    p.add_argument("--min-count", type=int, default=1)
+    p.add_argument("--dim", type=_count(1), default=100)
+    p.add_argument("--epochs", type=_count(1), default=1)
+    p.add_argument("--window", type=_count(1), default=5)
+    p.add_argument("--negatives", type=_count(1), default=5)
+    p.add_argument(
+        "--batch-size", type=_count(1), default=4096, help="(center, context) pairs per step"
+    )
+    p.add_argument(
+        "--lr",
+        type=_rate,
+        default=0.01,
+        help="Adam's learning rate (default 0.01; small corpora want several --epochs)",
+    )
+    p.add_argument("--min-count", type=_count(1), default=1)
     p.add_argument("--placement", default="pinned", choices=["pinned", "cpu", "cuda"])
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -254,29 +287,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    result = train(
-        args.corpus,
-        dim=args.dim,
-        epochs=args.epochs,
-        window=args.window,
-        negatives=args.negatives,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        min_count=args.min_count,
-        placement=args.placement,
-        device=args.device,
-        seed=args.seed,
-        progress=False if args.no_progress else None,
-    )
+    # user errors found before training: one line each, not a traceback after the work
+    if not os.path.isfile(args.corpus):
+        p.error(
+            f"{args.corpus}: no such file"
+            if not os.path.exists(args.corpus)
+            else f"{args.corpus}: not a file"
+        )
+    if args.out is not None:
+        folder = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            p.error(f"--out {args.out}: {folder} is not a writable directory")
+    try:
+        result = train(
+            args.corpus,
+            dim=args.dim,
+            epochs=args.epochs,
+            window=args.window,
+            negatives=args.negatives,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            min_count=args.min_count,
+            placement=args.placement,
+            device=args.device,
+            seed=args.seed,
+            progress=False if args.no_progress else None,
+        )
+    except (ValueError, OSError, gl.GadgetError) as exc:
+        print(f"{p.prog}: error: {exc}", file=sys.stderr)
+        return 1
     print(
         f"vocabulary {len(result.vocab)} words; loss per epoch: "
         + ", ".join(f"{x:.4f}" for x in result.losses)
     )
     if args.show:
-        for w in args.show.split(","):
+        for w in (t.strip().lower() for t in args.show.split(",")):
+            if not w:
+                continue
             if w in result.vocab.index:
                 near = ", ".join(f"{n} ({s:.2f})" for n, s in result.most_similar(w, 5))
                 print(f"{w}: {near}")
+            else:
+                print(f"{w}: not in the vocabulary")
     if args.out:
         result.save(args.out)
         print(f"wrote {args.out}.npy and {args.out}.vocab.txt")

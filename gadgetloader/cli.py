@@ -6,6 +6,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -47,9 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks against the baselines, in one run")
     bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
     suites = bench.add_subparsers(dest="suite", required=False, metavar="SUITE")
-    importlib.import_module(_SUITES["seed"][0]).add_arguments(bench)
+    importlib.import_module(_SUITES["seed"][0]).add_arguments(bench)  # `bench --rows N` = seed
     for name, (module, help_text) in _SUITES.items():
-        if name == "seed" or not _available(module):
+        if not _available(module):
             continue
         sp = suites.add_parser(name, help=help_text)
         sp.add_argument("--json", metavar="FILE", help="write the results as JSON")
@@ -70,9 +71,53 @@ def _write_json(path: str | None, data: Any) -> None:
         print(f"wrote {path}")
 
 
+def _check_json_target(parser: argparse.ArgumentParser, path: str | None) -> None:
+    """Refuse a --json path that cannot be written before running anything."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        parser.error(f"--json {path}: is a directory")
+    if not os.path.isdir(folder):
+        parser.error(f"--json {path}: no such directory {folder}")
+    if not os.access(folder, os.W_OK):
+        parser.error(f"--json {path}: {folder} is not writable")
+
+
+def _check_bench_order(parser: argparse.ArgumentParser, argv: Sequence[str], suite: str) -> None:
+    """Options written between ``bench`` and a suite name belong to the seed benchmark
+    (``gadgetloader bench --rows N``); argparse would drop them silently for another suite."""
+    words = list(argv)
+    try:
+        start = words.index("bench") + 1
+        end = words.index(suite, start)
+    except ValueError:
+        return
+    early = [w for w in words[start:end] if w.startswith("-")]
+    if early:
+        parser.error(
+            f"{' '.join(early)} given before the suite name; put options after it: "
+            f"gadgetloader bench {suite} {' '.join(words[start:end])}"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gadgetloader`` console script."""
-    args = _parser().parse_args(argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("gadgetloader: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    parser = _parser()
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(words)
+    if args.command == "bench" and args.suite:
+        _check_bench_order(parser, words, args.suite)
+    if args.command in ("bench", "info"):
+        _check_json_target(parser, getattr(args, "json", None))
     if args.command == "info":
         from .info import collect_info, format_info
 
@@ -86,9 +131,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         module = _SUITES[args.suite or "seed"][0]
         try:
             result = importlib.import_module(module).run(args)
-        except GadgetError as exc:  # bad options (a missing --dir, ...): one line, not a trace
+        except (GadgetError, OSError) as exc:  # bad options, a missing --dir: one line
             print(f"gadgetloader bench: error: {exc}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:
+            print("gadgetloader bench: interrupted", file=sys.stderr)
+            return 130
         _write_json(getattr(args, "json", None), result)
         return 0
     if args.command == "convert":

@@ -29,6 +29,7 @@ import numpy as np
 from . import io as _io
 from ._dtypes import dtype_name
 from ._errors import GadgetError, GadgetValueError
+from .io._atomic import interrupts_deferred
 from .io._stream import STAGING_BYTES, blocks, progress_bar
 
 __all__ = ["add_arguments", "convert", "run"]
@@ -109,6 +110,11 @@ def convert(
             )
         out_fmt = dst_format or _io.guess_format(dst_p, must_exist=False)
         options: dict[str, Any] = {}
+        if out_fmt == "npy" and dst_dataset is not None:
+            raise GadgetValueError(
+                f"--dst-dataset / dst_dataset= names an array inside an HDF5 file or zarr group; "
+                f"{dst_p} is a .npy file, which holds one array without a name"
+            )
         name = dst_dataset if dst_dataset is not None else (dataset if out_fmt != "npy" else None)
         if name is not None:
             options["dataset"] = name
@@ -127,13 +133,14 @@ def convert(
                 (min(rpb, max(1, source.num_rows)), *source.shape[1:]), dtype=source.numpy_dtype
             )
             bar = progress_bar(source.nbytes, f"convert {src_p} -> {dst_p}", progress)
-            with bar:
+            with interrupts_deferred() as check, bar:
                 for start, stop in blocks(source.num_rows, rpb):
                     block = buf[: stop - start]
                     source.read_into(start, stop, block)
                     sink.write(start, block)
                     bar.update((stop - start) * source.row_nbytes)
-            sink.commit()
+                    check()
+                sink.commit()
         except BaseException:
             sink.abort()
             raise
@@ -194,11 +201,17 @@ def run(args: argparse.Namespace) -> int:
             progress=getattr(args, "progress", None),
         )
     except GadgetError as exc:
-        print(f"gadgetloader convert: error: {exc}", file=sys.stderr)
+        # the library's messages name keyword arguments; on the command line they are flags
+        msg = str(exc).replace("pass dataset= to", "pass --dataset to")
+        msg = msg.replace("or pass format=...", "or pass --format (source) / --to (destination)")
+        print(f"gadgetloader convert: error: {msg}", file=sys.stderr)
         return 1
     except OSError as exc:  # the file system's refusal (a path through a file, no space...)
         print(f"gadgetloader convert: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"gadgetloader convert: interrupted; {args.dst} was not written", file=sys.stderr)
+        return 130
     rate = info["bytes"] / info["seconds"] / 1e9 if info["seconds"] > 0 else float("inf")
     print(
         f"{info['src']} ({info['src_format']}) -> {info['dst']} ({info['dst_format']}): "

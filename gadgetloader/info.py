@@ -30,7 +30,7 @@ def collect_info(*, measure: bool = True) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
+        "torch_cuda": torch.version.cuda or "none (a CPU build of torch)",
         "numpy": _version("numpy"),
         "h5py": _version("h5py"),
         "zarr": _version("zarr"),
@@ -47,7 +47,9 @@ def collect_info(*, measure: bool = True) -> dict[str, Any]:
             info["cuda_driver"] = cupy.cuda.runtime.driverGetVersion()
         except Exception as exc:  # no driver
             info["cuda_runtime"] = f"unavailable ({type(exc).__name__})"
-    if torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        info["gpu"] = "none found: tables live in host RAM and every operation runs on the CPU"
+    else:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         info["gpu"] = {
             "name": props.name,

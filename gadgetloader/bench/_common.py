@@ -9,7 +9,69 @@ from typing import Any
 
 import torch
 
-__all__ = ["Timing", "format_table", "measure_memcpy", "time_fn", "gbps"]
+__all__ = [
+    "Timing",
+    "comma_list",
+    "format_table",
+    "gbps",
+    "measure_memcpy",
+    "non_negative_int",
+    "positive_float",
+    "positive_int",
+    "time_fn",
+]
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer of at least 0."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number above 0."""
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text}")
+    return value
+
+
+def comma_list(text: str, allowed: Sequence[str], what: str) -> list[str]:
+    """``text``'s comma-separated names, each one of ``allowed`` (else a clear error)."""
+    from .._errors import GadgetValueError
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise GadgetValueError(
+            f"unknown {what} {bad or [text]}; expected a comma-separated subset of {list(allowed)}"
+        )
+    return names
 
 
 class Timing(dict):  # type: ignore[type-arg]

@@ -43,7 +43,7 @@ import torch
 from .._device import cuda_available, cupy_available
 from .._errors import FallbackWarning, GadgetFileNotFoundError
 from ..io import load_into, open_source
-from ._common import format_table
+from ._common import comma_list, format_table, non_negative_int, positive_float, positive_int
 
 __all__ = ["add_arguments", "run"]
 
@@ -53,12 +53,20 @@ _FORMATS = {"npy": ".npy", "hdf5": ".h5", "zarr": ".zarr"}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``gadgetloader bench files``."""
     p.add_argument(
-        "--mb", type=float, default=256.0, help="table size in MB for the load test (default 256)"
+        "--mb",
+        type=positive_float,
+        default=256.0,
+        help="table size in MB for the load test (default 256)",
     )
     p.add_argument(
-        "--gb", type=float, default=None, help="table size in GB (overrides --mb; e.g. --gb 4)"
+        "--gb",
+        type=positive_float,
+        default=None,
+        help="table size in GB (overrides --mb; e.g. --gb 4)",
     )
-    p.add_argument("--width", type=int, default=128, help="float32 elements per row (default 128)")
+    p.add_argument(
+        "--width", type=positive_int, default=128, help="float32 elements per row (default 128)"
+    )
     p.add_argument("--dir", default=None, help="directory for the test files (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the files afterwards")
     p.add_argument(
@@ -66,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--chunk-rows",
-        type=int,
+        type=positive_int,
         default=None,
         help="rows per chunk of the load-test files (default ~1 MiB)",
     )
@@ -75,28 +83,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--random-mb",
-        type=float,
+        type=positive_float,
         default=None,
         help="table size in MB for random reads (default: min(size, 256), so a --gb 4 run "
         "times the same random reads as the default run)",
     )
     p.add_argument(
         "--random-chunk-rows",
-        type=int,
+        type=positive_int,
         default=64,
         help="rows per chunk of the random-read files (default 64)",
     )
     p.add_argument(
         "--cache-mb",
-        type=float,
+        type=positive_float,
         default=None,
         help="file store cache budget (default: 1/8 of the random table)",
     )
     p.add_argument(
-        "--ids", type=int, default=4096, help="distinct random ids per getData call (default 4096)"
+        "--ids",
+        type=positive_int,
+        default=4096,
+        help="distinct random ids per getData call (default 4096)",
     )
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per method (median reported)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--repeats", type=positive_int, default=5, help="timed runs per method (median reported)"
+    )
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--no-baselines", action="store_true", help="skip the hand-written baselines")
 
 
@@ -250,10 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rsize = int(args.random_mb * 1e6) if args.random_mb else min(rows * row_bytes, 256 * 10**6)
     rrows = max(16, rsize // row_bytes)
     cache = int(args.cache_mb * 1e6) if args.cache_mb else max(1, rrows * row_bytes // 8)
-    formats = [f.strip() for f in str(args.formats).split(",") if f.strip()]
-    unknown = [f for f in formats if f not in _FORMATS]
-    if unknown:
-        raise SystemExit(f"unknown format(s) {unknown}; expected some of {list(_FORMATS)}")
+    formats = comma_list(str(args.formats), list(_FORMATS), "--formats")
     placement = _placement()
     device = torch.device("cuda") if cuda_available() else torch.device("cpu")
     if args.dir is not None and not os.path.isdir(args.dir):

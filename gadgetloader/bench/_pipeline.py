@@ -36,7 +36,15 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ._common import format_table, measure_memcpy
+from .._errors import GadgetValueError
+from ._common import (
+    comma_list,
+    format_table,
+    measure_memcpy,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 __all__ = ["add_arguments", "run"]
 
@@ -45,21 +53,28 @@ _BASE = 256  # row ids are written in base 256 over 3 elements: exact in every d
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rows", type=int, default=1 << 20, help="table rows (default 1,048,576)")
-    p.add_argument("--width", type=int, default=128, help="elements per row (default 128, >= 3)")
+    p.add_argument(
+        "--rows", type=positive_int, default=1 << 20, help="table rows (default 1,048,576)"
+    )
+    p.add_argument(
+        "--width", type=positive_int, default=128, help="elements per row (default 128, >= 3)"
+    )
     p.add_argument("--dtype", default="float32", choices=_DTYPES, help="table dtype")
-    p.add_argument("--batch", type=int, default=4096, help="rows per batch (default 4096)")
+    p.add_argument("--batch", type=positive_int, default=4096, help="rows per batch (default 4096)")
     p.add_argument(
         "--batches",
-        type=int,
+        type=positive_int,
         default=1024,
         help="timed batches per run, at most (default 1024: whole epochs of the default table, "
         "so per-epoch costs such as the next shuffle count in full)",
     )
     p.add_argument(
-        "--seconds", type=float, default=2.0, help="stop a timed run after this long (default 2)"
+        "--seconds",
+        type=positive_float,
+        default=2.0,
+        help="stop a timed run after this long (default 2)",
     )
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per method (median)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed runs per method (median)")
     p.add_argument(
         "--workers",
         default="0,2,4,8",
@@ -70,15 +85,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="memory,file",
         help="where gadgetloader reads: memory (pinned / cpu) and/or file (default both)",
     )
-    p.add_argument("--prefetch", type=int, default=2, help="GadgetLoader prefetch depth")
+    p.add_argument("--prefetch", type=positive_int, default=2, help="GadgetLoader prefetch depth")
     p.add_argument(
         "--coalesce",
-        type=int,
+        type=positive_int,
         default=None,
         help="batches per GadgetLoader gather (default: the loader's own: on CUDA as many as fit in 64 MiB, up to 32; 8 for file columns)",
     )
     p.add_argument("--dir", default=None, help="directory for the benchmark's .npy file")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
 
 
 # ---- the table ---------------------------------------------------------------------------------
@@ -227,15 +242,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ..gadget import DataGadget
 
     if args.width < 3:
-        raise ValueError(f"--width must be >= 3 (rows carry their id); got {args.width}")
+        raise GadgetValueError(f"--width must be >= 3 (rows carry their id); got {args.width}")
     if args.rows >= _BASE**3:
-        raise ValueError(f"--rows must be < {_BASE**3}; got {args.rows}")
+        raise GadgetValueError(f"--rows must be < {_BASE**3}; got {args.rows}")
+    if args.dir is not None and not os.path.isdir(args.dir):
+        raise GadgetValueError(f"--dir {args.dir}: no such directory")
+    try:
+        worker_counts = {int(w) for w in str(args.workers).split(",") if w.strip() != ""}
+    except ValueError:
+        raise GadgetValueError(
+            f"--workers must be comma-separated whole numbers; got {args.workers!r}"
+        ) from None
+    if any(w < 0 for w in worker_counts):
+        raise GadgetValueError(f"--workers must not be negative; got {args.workers!r}")
+    sources = comma_list(str(args.sources), ("memory", "file"), "--sources")
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda") if cuda else torch.device("cpu")
     row_bytes = args.width * np.dtype(args.dtype).itemsize
     B = min(args.batch, args.rows)
-    workers = sorted({int(w) for w in str(args.workers).split(",") if w.strip() != ""} | {0})
-    sources = [s.strip() for s in str(args.sources).split(",") if s.strip()]
+    workers = sorted(worker_counts | {0})
     timing = {"batch": B, "batches": args.batches, "seconds": args.seconds, "repeats": args.repeats}
     results: list[dict[str, Any]] = []
     skipped: list[str] = []

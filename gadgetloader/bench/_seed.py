@@ -18,20 +18,24 @@ import numpy as np
 import torch
 
 from .._dtypes import as_torch_dtype, dtype_name
-from ._common import format_table, gbps, time_fn
+from ._common import format_table, gbps, non_negative_int, positive_int, time_fn
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rows", type=int, default=1_000_000, help="table rows (default 1,000,000)")
-    p.add_argument("--width", type=int, default=128, help="elements per row (default 128)")
-    p.add_argument("--ids", type=int, default=131_072, help="ids per call (default 131,072)")
+    p.add_argument(
+        "--rows", type=positive_int, default=1_000_000, help="table rows (default 1,000,000)"
+    )
+    p.add_argument("--width", type=positive_int, default=128, help="elements per row (default 128)")
+    p.add_argument(
+        "--ids", type=positive_int, default=131_072, help="ids per call (default 131,072)"
+    )
     p.add_argument("--dtype", default="float32", help="table dtype (default float32)")
     p.add_argument(
-        "--repeats", type=int, default=20, help="timed runs per method (median reported)"
+        "--repeats", type=positive_int, default=20, help="timed runs per method (median reported)"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--no-speedtorch", action="store_true", help="skip SpeedTorch even if installed")
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._common import format_table, gbps, measure_memcpy, time_fn
+from ._common import comma_list, format_table, gbps, measure_memcpy, positive_int, time_fn
 
 __all__ = ["add_arguments", "run"]
 
@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--hybrid-fractions", default="0.6", help="CPU shares to try for the hybrid strategy"
     )
     p.add_argument("--pages", default="default", help="host page kinds to try: default,thp,hugetlb")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=positive_int, default=10)
     p.add_argument(
         "--naive-max-ids",
         type=int,
@@ -47,6 +47,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="skip naive torch above this many ids (slow)",
     )
     p.add_argument("--plot", metavar="FILE.png", help="draw GB/s against table size per method")
+
+
+_METHODS = ("auto", "kernel", "sorted", "hybrid", "torch", "staged", "naive")
+
+
+def _options(
+    args: argparse.Namespace,
+) -> tuple[list[float], list[int], list[int], list[str], list[float]]:
+    """The sweep's comma-separated options, checked (a clear error names the bad one)."""
+    from .._errors import GadgetValueError
+
+    def numbers(text: str, kind: type, what: str, low: float, high: float | None = None) -> list:
+        try:
+            values = [kind(t) for t in str(text).split(",") if t.strip()]
+        except ValueError:
+            raise GadgetValueError(
+                f"{what} must be comma-separated numbers; got {text!r}"
+            ) from None
+        if not values or any(v < low or (high is not None and v > high) for v in values):
+            bound = f"in [{low}, {high}]" if high is not None else f"at least {low}"
+            raise GadgetValueError(f"{what} values must be {bound}; got {text!r}")
+        return values
+
+    sizes = sorted(numbers(args.sizes_gb, float, "--sizes-gb", 1e-6))
+    widths = numbers(args.widths, int, "--widths", 1)
+    id_counts = numbers(args.ids, int, "--ids", 1)
+    methods = comma_list(
+        str(args.strategies),
+        _METHODS
+        + tuple(m for m in str(args.strategies).split(",") if m.strip().startswith("kernel-")),
+        "--strategies",
+    )
+    fractions = numbers(args.hybrid_fractions, float, "--hybrid-fractions", 0.0, 1.0)
+    return sizes, widths, id_counts, methods, fractions
 
 
 def _free_ram() -> int:
@@ -62,15 +96,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ..stores._pinned import PinnedStore
     from ..transfer import _engine
 
+    sizes, widths, id_counts, methods, fractions = _options(args)
     if not torch.cuda.is_available():
         print("sweep: skipped -- it measures host<->GPU transfers and needs a CUDA device")
+        if getattr(args, "plot", None):
+            print(f"plot: nothing to draw, {args.plot} not written")
         return {"benchmark": "sweep", "skipped": "no CUDA device", "results": []}
     dev = torch.device("cuda")
-    sizes = sorted(float(s) for s in args.sizes_gb.split(","))
-    widths = [int(w) for w in args.widths.split(",")]
-    id_counts = [int(n) for n in args.ids.split(",")]
-    methods = [m.strip() for m in args.strategies.split(",")]
-    fractions = [float(f) for f in args.hybrid_fractions.split(",")]
     cap = 0.6 * _free_ram()
     skipped = [f"{s} GB (over 60% of free RAM)" for s in sizes if s * 1e9 > cap]
     sizes = [s for s in sizes if s * 1e9 <= cap]

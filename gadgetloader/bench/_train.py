@@ -35,8 +35,8 @@ import torch.nn.functional as F  # noqa: N812 (the torch idiom)
 from torch import nn
 
 from .._device import cuda_available
-from .._errors import FallbackWarning
-from ._common import format_table, measure_memcpy
+from .._errors import FallbackWarning, GadgetValueError
+from ._common import comma_list, format_table, measure_memcpy, non_negative_int, positive_int
 
 __all__ = ["METHODS", "add_arguments", "format_report", "run"]
 
@@ -49,16 +49,29 @@ _Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``gadgetloader bench train``."""
     p.add_argument(
-        "--rows", type=int, default=10_000_000, help="rows per table (default 10,000,000)"
+        "--rows", type=positive_int, default=10_000_000, help="rows per table (default 10,000,000)"
     )
-    p.add_argument("--dim", type=int, default=128, help="embedding width (default 128, float32)")
     p.add_argument(
-        "--batch", type=int, default=4096, help="(center, context) pairs per step (default 4096)"
+        "--dim", type=positive_int, default=128, help="embedding width (default 128, float32)"
     )
-    p.add_argument("--negatives", type=int, default=5, help="negatives per pair (default 5)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per repeat (default 20)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
+    p.add_argument(
+        "--batch",
+        type=positive_int,
+        default=4096,
+        help="(center, context) pairs per step (default 4096)",
+    )
+    p.add_argument(
+        "--negatives", type=positive_int, default=5, help="negatives per pair (default 5)"
+    )
+    p.add_argument(
+        "--steps", type=positive_int, default=20, help="timed steps per repeat (default 20)"
+    )
+    p.add_argument(
+        "--warmup", type=non_negative_int, default=5, help="untimed steps first (default 5)"
+    )
+    p.add_argument(
+        "--repeats", type=positive_int, default=3, help="timed repeats; the median is reported"
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument(
         "--zipf", type=float, default=1.0, help="word frequency exponent (0: uniform ids)"
@@ -72,9 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma-separated subset of {','.join(METHODS)}",
     )
     p.add_argument(
-        "--memcpy-mib", type=int, default=1024, help="bytes for the memcpy ceiling (MiB)"
+        "--memcpy-mib", type=positive_int, default=1024, help="bytes for the memcpy ceiling (MiB)"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument(
         "--profile", metavar="FILE", help="append torch.profiler tables per method to FILE"
     )
@@ -454,13 +467,16 @@ def _profile(m: _Method, batches: list[_Batch], device: torch.device, path: str,
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the training benchmark; prints the table and returns a JSON-able dict."""
-    methods = [m.strip() for m in str(args.methods).split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"Unknown method(s) {unknown}; expected a subset of {list(METHODS)}")
+    methods = comma_list(str(args.methods), METHODS, "--methods")
+    if args.placement not in ("pinned", "cuda", "cpu"):
+        raise GadgetValueError(f"--placement must be pinned, cuda or cpu; got {args.placement!r}")
     has_cuda = cuda_available()
+    if args.fused and not has_cuda:
+        skipped_fused = "--fused needs CUDA (fused Adam): ignored on the CPU"
+    else:
+        skipped_fused = None
     device = torch.device("cuda", torch.cuda.current_device()) if has_cuda else torch.device("cpu")
-    skipped: list[str] = []
+    skipped: list[str] = [] if skipped_fused is None else [skipped_fused]
     placement = args.placement
     if not has_cuda:
         placement = "cpu"

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
+import threading
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["temp_path_beside", "replace_atomically", "remove_path"]
+__all__ = ["interrupts_deferred", "temp_path_beside", "replace_atomically", "remove_path"]
 
 
 def temp_path_beside(target: str | os.PathLike[str]) -> Path:
@@ -50,3 +54,41 @@ def replace_atomically(tmp: str | os.PathLike[str], target: str | os.PathLike[st
     else:
         os.replace(tmp_p, target_p)
     _fsync_dir(target_p.parent)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[Callable[[], None]]:
+    """Hold Ctrl-C (SIGINT) until a safe point of a long write.
+
+    Yields ``check``: call it between blocks; it raises ``KeyboardInterrupt`` if Ctrl-C was
+    pressed since. Python drops a ``KeyboardInterrupt`` that lands inside a finalizer (h5py
+    closes objects in ``__del__`` and weakref callbacks), which let an interrupted save run
+    on to the end; deferred to ``check`` it always stops the save, which then removes its
+    partial file. A second Ctrl-C raises at once. Only in the main thread, and only while
+    Python's own SIGINT handler is installed (a program's handler is left alone).
+    """
+    pressed: list[bool] = []
+
+    def check() -> None:
+        if pressed:
+            pressed.clear()
+            raise KeyboardInterrupt
+
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield check
+        return
+
+    def hold(signum: int, frame: object) -> None:
+        if pressed:
+            raise KeyboardInterrupt  # pressed twice: stop now
+        pressed.append(True)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    check()

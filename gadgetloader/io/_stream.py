@@ -19,6 +19,7 @@ import numpy as np  # noqa: F401
 import torch
 from tqdm.auto import tqdm
 
+from ._atomic import interrupts_deferred
 from ._base import ArraySink, ArraySource
 
 if TYPE_CHECKING:
@@ -142,12 +143,13 @@ def save_from(
     )
     bar = progress_bar(store.nbytes, desc, progress)
     try:
-        with bar:
+        with interrupts_deferred() as check, bar:
             for start, stop in blocks(store.num_rows, rpb):
                 block = store.read_block(start, stop)
                 sink.write(start, _numpy_view(block.contiguous()))
                 bar.update((stop - start) * store.row_nbytes)
-        sink.commit()
+                check()
+            sink.commit()
     except BaseException:
         sink.abort()
         raise
