@@ -176,3 +176,16 @@ def test_offloaded_optimizer_refuses_copies_with_a_clear_error():
     emb(torch.tensor([1])).sum().backward()
     opt.step()  # the original still works
     assert copy.deepcopy(emb).weight.shape == (10, 4)  # the model alone copies
+
+
+def test_a_relative_path_survives_a_change_of_directory(tmp_path, monkeypatch):
+    a = np.arange(40, dtype=np.float32).reshape(10, 4)
+    monkeypatch.chdir(tmp_path)
+    np.save("rel.npy", a)
+    g = gl.DataGadget("rel.npy", placement="file")
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    monkeypatch.chdir(other)
+    np.testing.assert_array_equal(g.getData([1, 9], device="cpu").numpy(), a[[1, 9]])
+    g.insertData(torch.full((1, 4), -1.0), [2])
+    np.testing.assert_array_equal(np.load(tmp_path / "rel.npy")[2], [-1.0] * 4)

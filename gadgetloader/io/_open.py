@@ -91,7 +91,11 @@ def open_source(
     dataset: str | None = None,
     **kwargs: Any,
 ) -> ArraySource:
-    """Open ``path`` for reading rows."""
+    """Open ``path`` for reading rows.
+
+    Sources keep the absolute path: they open or map the file lazily, which must not
+    depend on the process's working directory at that time."""
+    path = os.path.abspath(os.fspath(path))
     fmt = _check_format(format) if format else guess_format(path)
     if not os.path.exists(path):
         raise GadgetFileNotFoundError(f"no such file or directory: {path}")

@@ -149,7 +149,9 @@ class FileStore(Store):
             or block_rows < 1
         ):
             raise GadgetValueError(f"block_rows must be a positive integer; got {block_rows!r}")
-        self._path = source.path
+        #: absolute: the store reopens (after a fork, to write) and checks its file by this path,
+        #: which must not change meaning when the process changes its working directory
+        self._path = os.path.abspath(source.path)
         self._format = source.format
         self._dataset: str | None = getattr(source, "dataset", None) or None
         self._holder: list[ArraySource | None] = [source]
