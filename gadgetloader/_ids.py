@@ -33,6 +33,13 @@ def _holds_bool(seq: list[Any] | tuple[Any, ...]) -> bool:
     types = set(map(type, seq))
     if bool in types or np.bool_ in types:
         return True
+    arrays = np.ndarray in types or torch.Tensor in types  # 0-d arrays, tensors as elements
+    if arrays and any(
+        getattr(x, "dtype", None) in (np.bool_, torch.bool)
+        for x in seq
+        if isinstance(x, (np.ndarray, torch.Tensor))
+    ):
+        return True
     if list in types or tuple in types:
         return any(_holds_bool(x) for x in seq if isinstance(x, (list, tuple)))
     return False

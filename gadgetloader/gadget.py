@@ -605,7 +605,14 @@ class DataGadget:
         if dataset is not None:
             kwargs["dataset"] = dataset
         sink = _io.open_sink(path, self.shape, self.dtype, format=format, **kwargs)
-        _io.save_from(self._store, sink, progress=progress, desc=f"save {os.fspath(path)}")
+        try:
+            _io.save_from(self._store, sink, progress=progress, desc=f"save {os.fspath(path)}")
+        except BaseException:
+            # an interrupt held until after the new file took its place (see
+            # interrupts_deferred): read the new file, then let the interrupt through
+            if over_itself and getattr(self._store, "file_replaced", lambda: False)():
+                self.load(path, dataset=dataset, format=format, progress=False)
+            raise
         if over_itself:
             # the file this table reads from was just replaced: read the new one from now on
             self.load(path, dataset=dataset, format=format, progress=False)

@@ -189,3 +189,34 @@ def test_a_relative_path_survives_a_change_of_directory(tmp_path, monkeypatch):
     np.testing.assert_array_equal(g.getData([1, 9], device="cpu").numpy(), a[[1, 9]])
     g.insertData(torch.full((1, 4), -1.0), [2])
     np.testing.assert_array_equal(np.load(tmp_path / "rel.npy")[2], [-1.0] * 4)
+
+
+@pytest.mark.parametrize("ext", ["npy", "h5"])
+def test_ctrl_c_after_a_save_over_itself_committed_keeps_the_table_usable(
+    tmp_path, ext, monkeypatch
+):
+    if ext == "h5":
+        pytest.importorskip("h5py")
+    from gadgetloader.io import _hdf5, _npy
+
+    a = np.arange(40, dtype=np.float32).reshape(10, 4)
+    path = str(tmp_path / f"own.{ext}")
+    _save(a, path, ext)
+    t = gl.DataGadget(path, placement="file")
+    t.insertData(torch.full((1, 4), -1.0), [3])
+    sink = _npy.NpySink if ext == "npy" else _hdf5.Hdf5Sink
+    real = sink.commit
+
+    def commit_then_ctrl_c(self):
+        real(self)
+        os.kill(os.getpid(), signal.SIGINT)  # pressed while the new file took its place
+
+    monkeypatch.setattr(sink, "commit", commit_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        t.save(path, progress=False)
+    expect = a.copy()
+    expect[3] = -1.0
+    np.testing.assert_array_equal(t.getData(np.arange(10), device="cpu").numpy(), expect)
+    t.insertData(torch.full((1, 4), -2.0), [4])  # and it still writes its file
+    expect[4] = -2.0
+    np.testing.assert_array_equal(gl.DataGadget(path, placement="cpu").getNumpyVersion(), expect)

@@ -99,9 +99,9 @@ def test_load_torch_refuses_other_dtypes_and_bad_files(tmp_path):
     sw = _model_switch()
     sw.uniformDistributionInit(-1, 1)
     before = sw.getNumpyVersion().copy()
-    torch.save(torch.ones(20, 4, dtype=torch.float64), tmp_path / "f64.pt")
+    torch.save(torch.full((20, 4), 0.1, dtype=torch.float64), tmp_path / "f64.pt")
     with pytest.raises(gl.GadgetValueError, match="float64"):
-        sw.loadTorch(tmp_path / "f64.pt")
+        sw.loadTorch(tmp_path / "f64.pt")  # 0.1 has no exact float32 form
     (tmp_path / "junk.pt").write_bytes(b"not a torch file")
     with pytest.raises(gl.GadgetFileError, match="junk.pt"):
         sw.loadTorch(tmp_path / "junk.pt")
@@ -164,6 +164,22 @@ def test_optimizer_factory_load_torch_checks_everything_first(tmp_path):
         so.loadTorch(tmp_path / "c.pt")
     for k, v in so.getNumpyVersion().items():
         np.testing.assert_array_equal(v, before[k])
+
+
+def test_save_and_load_torch_keep_bfloat16(tmp_path):
+    emb = nn.Embedding(3, 4)
+    sw = gl.PytorchModelFactory(emb, 20, 4, datatype="bfloat16", deviceType="cpu")
+    sw.uniformDistributionInit(-1, 1)
+    before = sw.getNumpyVersion().copy()
+    sw.saveTorch(tmp_path / "bf.pt")
+    assert torch.load(tmp_path / "bf.pt").dtype == torch.bfloat16
+    sw.zerosInit()
+    sw.loadTorch(tmp_path / "bf.pt")
+    np.testing.assert_array_equal(sw.getNumpyVersion(), before)
+    torch.save(torch.from_numpy(before), tmp_path / "f32.pt")  # exact in bfloat16: taken
+    sw.zerosInit()
+    sw.loadTorch(tmp_path / "f32.pt")
+    np.testing.assert_array_equal(sw.getNumpyVersion(), before)
 
 
 def test_save_cupy_appends_npy_like_numpy(tmp_path):
@@ -288,7 +304,13 @@ def test_array_source_dtype_casts_only_what_keeps_values():
 def test_id_lists_holding_bools_are_refused():
     g = gl.DataGadget(np.arange(10.0, dtype=np.float32).reshape(5, 2), placement="cpu")
     before = g.getNumpyVersion().copy()
-    for ids in ([1, True], [[1, 2], [3, False]], [np.bool_(True), 2]):
+    for ids in (
+        [1, True],
+        [[1, 2], [3, False]],
+        [np.bool_(True), 2],
+        [np.array(True), 2],
+        [torch.tensor(True), 2],
+    ):
         with pytest.raises(gl.GadgetTypeError, match="bool"):
             g.getData(ids)
         with pytest.raises(gl.GadgetTypeError, match="bool"):

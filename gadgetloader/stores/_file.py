@@ -119,9 +119,11 @@ class FileStore(Store):
 
     Threads may share a store: every read and write holds a lock per file. Every
     call also checks that the file is still the one the store opened: a file replaced
-    on disk (by another ``save``, or a program writing a new file under its name), or a
-    .npy rewritten shorter, raises :class:`~gadgetloader.GadgetFileError` (open the new
-    file with a new table, or ``DataGadget.load``) instead of mixing two files' rows.
+    on disk (another ``save``, or any program that writes a new file and renames it over
+    the name), deleted, or a .npy truncated below its size raises
+    :class:`~gadgetloader.GadgetFileError` (open the new file with a new table, or
+    ``DataGadget.load``) instead of mixing two files' rows. A program that rewrites the
+    same file in place at the same or a larger size is not detected.
     """
 
     placement = "file"
@@ -228,6 +230,14 @@ class FileStore(Store):
                 f"{self._path} shrank from {self._size0} to {st.st_size} bytes since this table "
                 "opened it (rewritten in place?); open it again"
             )
+
+    def file_replaced(self) -> bool:
+        """Whether the path now names another file than the one this store opened."""
+        try:
+            st = os.stat(self._path)
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino) != self._ident
 
     def _drop_others(self) -> None:
         """After a write: other tables of this file in this process forget cached blocks."""

@@ -490,6 +490,10 @@ class OffloadedEmbeddingBag(_OffloadedTable):
     Parameters otherwise as :class:`OffloadedEmbedding`. Lookups use exact row plans
     (one synchronisation each): bags are long, and a plan sized on the GPU would give
     the per-step variable one row per bag entry; torch's bag backward synchronises anyway.
+    ``offsets`` (int64 or int32, 1-D) must start at 0, never decrease and not pass the
+    input's length (end at it with ``include_last_offset``), and ``per_sample_weights``
+    must be a float tensor of the input's shape: both are checked before the lookup is
+    recorded (CUDA offsets with one read-back), so a bad call leaves nothing for the step.
     """
 
     _device_plans = False

@@ -25,7 +25,7 @@ from .._ids import as_ids
 from ..gadget import DataGadget
 from ..stores._base import gather_many as gather_stores
 from ._rows import DUPLICATE_MODES, PlanCache, RowPlan, plan_rows, split_local
-from ._torchfile import check_tensor, load_torch_file, save_torch_file
+from ._torchfile import check_tensor, load_torch_file, save_torch_file, table_tensor
 
 __all__ = ["ModelSwitch", "resolve_parameter", "switch_for"]
 
@@ -387,11 +387,11 @@ class ModelSwitch:
         Written beside the target and renamed over it, so a save that fails part-way
         leaves any previous file whole.
         """
-        save_torch_file(torch.from_numpy(self.table.getNumpyVersion()), saveFileName)
+        save_torch_file(table_tensor(self.table), saveFileName)
 
     def loadTorch(self, loadFileName: str | os.PathLike[str]) -> None:
         """Load a table saved with :meth:`saveTorch` (shape and dtype must match)."""
         t = load_torch_file(loadFileName)
-        check_tensor(t, os.fspath(loadFileName), self.table.shape, self.table.dtype)
+        t = check_tensor(t, os.fspath(loadFileName), self.table.shape, self.table.dtype)
         self.table.store.write_block(0, t)
         self.table.store.synchronize()

@@ -34,7 +34,7 @@ from ..stores._base import FusedRows
 from ..stores._base import gather_many as gather_stores
 from ..stores._base import scatter_many as scatter_stores
 from ._rows import PlanCache, exact_plan
-from ._torchfile import check_tensor, load_torch_file, save_torch_file
+from ._torchfile import check_tensor, load_torch_file, save_torch_file, table_tensor
 
 if TYPE_CHECKING:
     from ._rows import RowPlan
@@ -649,9 +649,8 @@ class OptimizerSwitch:
     def saveTorch(self, saveFileName: str | os.PathLike[str]) -> None:
         """Save the state tables with ``torch.save`` as ``{state name: CPU tensor}``,
         atomically (a save that fails part-way leaves any previous file whole)."""
-        save_torch_file(
-            {k: torch.from_numpy(v) for k, v in self.getNumpyVersion().items()}, saveFileName
-        )
+        tables = self._need_pager().tables
+        save_torch_file({k: table_tensor(t) for k, t in tables.items()}, saveFileName)
 
     def loadTorch(self, loadFileName: str | os.PathLike[str]) -> None:
         """Load state tables saved with :meth:`saveTorch`: a ``{state name: tensor}`` dict,

@@ -10,7 +10,7 @@ import torch
 from .._errors import GadgetFileError, GadgetFileNotFoundError, GadgetValueError
 from ..io._atomic import remove_path, replace_atomically, temp_path_beside
 
-__all__ = ["load_torch_file", "save_torch_file"]
+__all__ = ["check_tensor", "load_torch_file", "save_torch_file", "table_tensor"]
 
 
 def save_torch_file(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -44,8 +44,17 @@ def load_torch_file(path: str | os.PathLike[str]) -> Any:
         ) from exc
 
 
+def table_tensor(table: Any) -> torch.Tensor:
+    """A DataGadget's rows as a compact CPU tensor of its own dtype (bfloat16 included)."""
+    rows = table.store.read_block(0, len(table))
+    out = torch.empty(tuple(rows.shape), dtype=rows.dtype)  # never a view of a shared buffer
+    out.copy_(rows)
+    return out
+
+
 def check_tensor(t: Any, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``t`` if it is a tensor of ``shape`` and ``dtype``, else a clear error."""
+    """``t`` as a tensor of ``shape`` and ``dtype``, else a clear error. Another floating dtype
+    is accepted when every value converts exactly (a float32 file of a bfloat16 table)."""
     from .._dtypes import dtype_name
 
     if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
@@ -53,9 +62,13 @@ def check_tensor(t: Any, what: str, shape: tuple[int, ...], dtype: torch.dtype) 
             f"{what} holds {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}; "
             f"expected a tensor of shape {shape}"
         )
-    if t.dtype != dtype:
-        raise GadgetValueError(
-            f"{what} holds a {dtype_name(t.dtype)} tensor; expected {dtype_name(dtype)} "
-            "(the table's dtype)"
-        )
-    return t
+    if t.dtype == dtype:
+        return t
+    if t.is_floating_point() and dtype.is_floating_point:
+        cast = t.to(dtype)
+        if torch.equal(cast.to(t.dtype), t):
+            return cast
+    raise GadgetValueError(
+        f"{what} holds a {dtype_name(t.dtype)} tensor; expected {dtype_name(dtype)} "
+        "(the table's dtype; another float dtype is taken only where every value converts exactly)"
+    )
