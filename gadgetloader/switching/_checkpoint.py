@@ -58,6 +58,8 @@ def _parts(obj: Any) -> tuple[str, dict[str, DataGadget], Any]:
         pager = obj._need_pager()
         return "optimizer_switch", dict(pager.tables), {"scalars": pager.scalar_state()}
     if isinstance(obj, OffloadedOptimizer):
+        for pager in obj.pagers:
+            pager.follow_hyper()  # state a scheduler turned on has its table
         tables = {
             f"{i}.{k}": t for i, pager in enumerate(obj.pagers) for k, t in pager.tables.items()
         }
@@ -302,3 +304,6 @@ def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any
             tables[tname].load(path, format=fmt)
         if kind == "optimizer_switch":
             obj._need_pager().set_scalar_state(meta["scalars"])
+        elif kind == "offloaded_optimizer":
+            for pager in obj.pagers:
+                pager.fresh = False

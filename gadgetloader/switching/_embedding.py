@@ -29,6 +29,7 @@ from ..stores._base import FusedRows
 from ..stores._base import gather_many as gather_stores
 from ._optim import StatePager, supported_name
 from ._rows import RowPlan, exact_plan, plan_rows, plan_rows_async
+from ._torchfile import table_tensor
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -156,15 +157,36 @@ class _OffloadedTable(nn.Module):
         #: arriving later is reported by the next step (it would be lost silently)
         self._retired: list[torch.Tensor] = []
 
+    #: set by ``requires_grad_(False)``: lookups are then constants (the table is frozen)
+    _frozen = False
+    #: set by ``.to(dtype)`` / ``.half()`` / ``.double()``: the dtype lookups are returned in
+    _out_dtype: torch.dtype | None = None
+
     @property
     def placement(self) -> str:
         return self.table.placement
+
+    def requires_grad_(self, requires_grad: bool = True) -> _OffloadedTable:
+        """``requires_grad_(False)`` freezes the table, as for ``nn.Embedding``: lookups
+        return constants, and the optimizer leaves the table and its state alone."""
+        _set(self, "_frozen", not requires_grad)
+        return super().requires_grad_(requires_grad)  # type: ignore[return-value]
+
+    def _deliver(self, out: torch.Tensor) -> torch.Tensor:
+        """A lookup's result in the dtype the module was converted to (if it was)."""
+        want = self._out_dtype
+        return out if want is None or out.dtype == want else out.to(want)
 
     def _apply(self, fn: Any, recurse: bool = True) -> _OffloadedTable:
         """``model.to(device)`` / ``.cuda()`` / ``.cpu()`` move where lookups are delivered
         and where the step runs; the table itself stays in its placement."""
         out = super()._apply(fn, recurse)
-        probe = fn(torch.empty(0, dtype=self.table.dtype, device=self.compute_device))
+        cur = self._out_dtype or self.table.dtype
+        probe = fn(torch.empty(0, dtype=cur, device=self.compute_device))
+        if isinstance(probe, torch.Tensor) and probe.dtype != cur and probe.is_floating_point():
+            # .half() / .double() / .to(dtype): lookups come back in that dtype (their
+            # gradients go back in the table's); the table keeps its dtype
+            _set(self, "_out_dtype", None if probe.dtype == self.table.dtype else probe.dtype)
         if isinstance(probe, torch.Tensor) and probe.device != self.compute_device:
             self.compute_device = probe.device
             param = self._slot.param
@@ -200,7 +222,7 @@ class _OffloadedTable(nn.Module):
         )
         ids = as_ids(input, self.num_embeddings, self.compute_device, check=False)
         store = self.table.store
-        training = torch.is_grad_enabled() and self._attached
+        training = torch.is_grad_enabled() and self._attached and not self._frozen
         stores = [store, *self._state_stores] if training and self._state_stores else [store]
         finish = None
         if (
@@ -367,7 +389,7 @@ class _OffloadedTable(nn.Module):
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if not _EXTERNAL_TABLES:
-            destination[prefix + "weight"] = torch.from_numpy(self.table.getNumpyVersion())
+            destination[prefix + "weight"] = table_tensor(self.table)  # its own dtype
 
     def _load_from_state_dict(
         self,
@@ -479,7 +501,7 @@ class OffloadedEmbedding(_OffloadedTable):
 
     def forward(self, input: Any) -> torch.Tensor:
         local, rows, plan = self._rows_for(input)
-        return _lookup(local, rows, plan)
+        return self._deliver(_lookup(local, rows, plan))
 
 
 class OffloadedEmbeddingBag(_OffloadedTable):
@@ -596,14 +618,17 @@ class OffloadedEmbeddingBag(_OffloadedTable):
         if offsets is not None:
             offsets = offsets.to(local.device)
         if per_sample_weights is not None:
-            per_sample_weights = per_sample_weights.to(local.device)
-        return F.embedding_bag(
-            local,
-            rows,
-            offsets,
-            mode=self.mode,
-            per_sample_weights=per_sample_weights,
-            include_last_offset=self.include_last_offset,
+            # weights in a converted module's dtype (.double()) are taken in the table's
+            per_sample_weights = per_sample_weights.to(local.device, rows.dtype)
+        return self._deliver(
+            F.embedding_bag(
+                local,
+                rows,
+                offsets,
+                mode=self.mode,
+                per_sample_weights=per_sample_weights,
+                include_last_offset=self.include_last_offset,
+            )
         )
 
 
@@ -615,28 +640,95 @@ def _detach(refs: list[Any]) -> None:
             m._release()
 
 
-def _collect(params: Any) -> tuple[list[_OffloadedTable], list[Any]]:
-    """Split modules / parameters / param groups into offloaded tables and the rest."""
+class _Groups(list):  # type: ignore[type-arg]
+    """An :class:`OffloadedOptimizer`'s ``param_groups``: walking it after a backward first
+    merges the offloaded tables' pending row gradients into their per-step parameters, so
+    whatever walks the groups (``GradScaler.unscale_`` / ``step``, gradient clipping over
+    ``param_groups``) sees, unscales and checks them like any other gradient."""
+
+    _owner: Any = None
+
+    def __iter__(self) -> Any:
+        opt = self._owner() if self._owner is not None else None
+        if opt is not None:
+            opt._auto_prepare()
+        return super().__iter__()
+
+
+def _collect(
+    params: Any,
+) -> tuple[list[_OffloadedTable], list[Any], list[tuple[dict[str, Any], list[_OffloadedTable]]]]:
+    """Split modules / parameters / param groups into offloaded tables and the rest.
+
+    Returns the tables outside param-group dicts, the other parameters outside them, and
+    each param-group dict (its ``params`` without tables) with the tables it names.
+    Parameters a group names are left out of the modules given beside it, so
+    ``[model, {"params": model.head.parameters(), "lr": 0.01}]`` works.
+    """
     if isinstance(params, (nn.Module, torch.Tensor, dict)):
         params = [params]
-    tables: list[_OffloadedTable] = []
-    others: list[Any] = []
-    seen: set[int] = set()
-    for item in params:
-        if isinstance(item, nn.Module):
-            for m in item.modules():
-                if isinstance(m, _OffloadedTable) and id(m) not in seen:
-                    seen.add(id(m))
-                    tables.append(m)
-            others.extend(p for p in item.parameters() if id(p) not in seen and not seen.add(id(p)))  # type: ignore[func-returns-value]
-        elif isinstance(item, (torch.Tensor, dict)):
-            others.append(item)
-        else:
+    try:
+        items = list(params)
+    except TypeError:
+        raise GadgetTypeError(
+            "OffloadedOptimizer takes a module, or an iterable of modules, parameters or "
+            f"param-group dicts; got {type(params).__name__}"
+        ) from None
+    groups: list[tuple[dict[str, Any], list[_OffloadedTable]]] = []
+    seen: set[int] = set()  # tables and parameters already placed
+
+    def expand(x: Any, where: str) -> tuple[list[_OffloadedTable], list[Any]]:
+        if isinstance(x, (nn.Module, torch.Tensor)):
+            x = [x]
+        tables: list[_OffloadedTable] = []
+        plain: list[Any] = []
+        try:
+            seq = list(x)
+        except TypeError:
+            raise GadgetTypeError(
+                f"{where}: expected modules or parameters, got {type(x).__name__}"
+            ) from None
+        for item in seq:
+            if isinstance(item, nn.Module):
+                for m in item.modules():
+                    if isinstance(m, _OffloadedTable) and id(m) not in seen:
+                        seen.add(id(m))
+                        tables.append(m)
+                for p in item.parameters():
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        plain.append(p)
+            elif isinstance(item, torch.Tensor):
+                if id(item) not in seen:
+                    seen.add(id(item))
+                    plain.append(item)
+            else:
+                raise GadgetTypeError(
+                    f"{where}: expected modules or parameters, got {type(item).__name__}"
+                )
+        return tables, plain
+
+    # param-group dicts first: what they name is theirs, not the default group's
+    for i, item in enumerate(items):
+        if isinstance(item, dict):
+            if "params" not in item:
+                raise GadgetValueError(f"param group {i} has no 'params' entry")
+            tables, plain = expand(item["params"], f"param group {i}")
+            groups.append(({**item, "params": plain}, tables))
+    rest_tables: list[_OffloadedTable] = []
+    rest: list[Any] = []
+    for item in items:
+        if isinstance(item, dict):
+            continue
+        if not isinstance(item, (nn.Module, torch.Tensor)):
             raise GadgetTypeError(
                 "OffloadedOptimizer takes modules, parameters or param-group dicts; got "
                 f"{type(item).__name__}"
             )
-    return tables, others
+        tables, plain = expand(item, "params")
+        rest_tables.extend(tables)
+        rest.extend(plain)
+    return rest_tables, rest, groups
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
@@ -651,7 +743,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     params : nn.Module, or iterable of modules / parameters / param-group dicts
         Modules are searched for :class:`OffloadedEmbedding` /
         :class:`OffloadedEmbeddingBag`; their ordinary parameters are optimized
-        as usual.
+        as usual. A param-group dict may name offloaded modules in its ``params``
+        (``{"params": model.emb, "lr": 0.5}``): their tables then take that group's
+        options. What a dict names is left out of the modules given beside it, so
+        ``[model, {"params": model.head.parameters(), "lr": 0.01}]`` works; everything
+        not named by a dict shares one group with the keyword options.
     **kwargs
         Passed to ``optimizer_class`` (``lr=``, ``betas=``, ``foreach=``, ``fused=``, ...).
 
@@ -691,7 +787,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         **kwargs: Any,
     ) -> None:
         self.optimizer_name = supported_name(optimizer_class)
-        tables, others = _collect(params)
+        rest_tables, plain, dict_groups = _collect(params)
+        tables = [m for _, ts in dict_groups for m in ts] + rest_tables
+        others = [p for g, _ in dict_groups for p in g["params"]] + plain
         if not tables and not others:
             raise GadgetValueError(
                 "OffloadedOptimizer got no parameters and no offloaded embeddings"
@@ -709,13 +807,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 raise GadgetValueError(
                     "this offloaded embedding already belongs to an OffloadedOptimizer"
                 )
-        slots = [m._slot.param for m in tables]
-        groups: list[dict[str, Any]] = [dict(g) for g in others if isinstance(g, dict)]
-        plain = [p for p in others if not isinstance(p, dict)]
-        groups.append({"params": plain + slots})
+        # each table's per-step parameter joins the group that named it (its own lr,
+        # weight_decay, ...); the rest share one group with the ordinary parameters
+        groups: list[dict[str, Any]] = [
+            {**g, "params": g["params"] + [m._slot.param for m in ts]} for g, ts in dict_groups
+        ]
+        if plain or rest_tables or not groups:
+            groups.append({"params": plain + [m._slot.param for m in rest_tables]})
         self.inner = optimizer_class(groups, **kwargs)
         super().__init__([dict(g) for g in groups], dict(self.inner.defaults))
-        self.param_groups = self.inner.param_groups
+        self._share_groups()
         self.state = self.inner.state
         self.defaults = self.inner.defaults
         self.tables = tables
@@ -748,15 +849,28 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             "OffloadedOptimizer over the copied model to load it into"
         )
 
+    #: set while prepare_grads runs (it must not start itself through param_groups)
+    _preparing = False
+
     @torch.no_grad()
     def prepare_grads(self) -> None:
         """Merge each offloaded table's row gradients into its per-step parameter now.
 
-        ``step()`` does this itself. Call it first when something must see those
-        gradients through ``param_groups`` before the step: ``GradScaler.unscale_`` /
-        ``GradScaler.step`` (mixed precision) or gradient clipping over
-        ``[p for g in opt.param_groups for p in g["params"]]``.
+        ``step()`` does this itself, and so does walking ``param_groups`` after a backward
+        (``for g in opt.param_groups``: ``GradScaler.unscale_`` / ``GradScaler.step``,
+        gradient clipping over ``[p for g in opt.param_groups for p in g["params"]]``), so
+        those see, unscale and check the tables' gradients like any other. Gradients are
+        merged once per step: a backward after the merge (gradient accumulation with the
+        groups walked between micro-batches) raises
+        :class:`~gadgetloader.GadgetValueError` at the next merge.
         """
+        _set(self, "_preparing", True)
+        try:
+            self._prepare_grads()
+        finally:
+            _set(self, "_preparing", False)
+
+    def _prepare_grads(self) -> None:
         self._finish_checks()
         for m in self.tables:
             m._check_retired()
@@ -772,8 +886,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 continue
             if before is not None:
                 raise GadgetValueError(
-                    "backward ran again after prepare_grads(); call prepare_grads() once, "
-                    "right before GradScaler.step / clipping / step()"
+                    "backward ran again after this step's table gradients were merged (by "
+                    "prepare_grads(), or by walking opt.param_groups: GradScaler, clipping, "
+                    "setting lr); accumulate every micro-batch first, then merge once, right "
+                    "before the step"
                 )
             plans.append(m._take_step_rows(self._sparse))
         self._prepared = plans
@@ -789,7 +905,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         plans, self._prepared = self._prepared or [], None
         for m, pager, plan in zip(self.tables, self.pagers, plans, strict=True):
             if plan is not None:
+                version = pager.layout_version
                 pager.load(plan, prefetched=m._prefetched)
+                if pager.layout_version != version and pager.interleaved:
+                    # state tables were added (a scheduler turned an option on): the next
+                    # forwards gather them with the rows too
+                    m._state_stores = [t.store for t in pager.tables.values()]
+                    _set(m, "_fused", None)
             _set(m, "_prefetched", None)
         self.inner.step()
         for m, pager, plan in zip(self.tables, self.pagers, plans, strict=True):
@@ -804,7 +926,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
         Raises :class:`~gadgetloader.GadgetIndexError` for a CUDA id out of range in a
         training lookup since the last step (see :class:`OffloadedEmbedding`)."""
-        self.inner.zero_grad(set_to_none=set_to_none)
+        _set(self, "_preparing", True)  # walking the groups here must not merge grads
+        try:
+            self.inner.zero_grad(set_to_none=set_to_none)
+        finally:
+            _set(self, "_preparing", False)
         self._prepared = None
         for m in self.tables:
             m._clear_grads()
@@ -827,7 +953,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _inner_state_without_rows(self) -> dict[str, Any]:
         """The inner optimizer's state_dict with the per-step rows dropped and every
         remaining tensor copied (torch's own state_dict aliases live state)."""
-        sd = self.inner.state_dict()
+        _set(self, "_preparing", True)  # saving state must not merge this step's grads
+        try:
+            sd = self.inner.state_dict()
+        finally:
+            _set(self, "_preparing", False)
         row_keys = {
             id(m._slot.param): pager.row_keys
             for m, pager in zip(self.tables, self.pagers, strict=True)
@@ -851,11 +981,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """The inner optimizer's state (scalars such as ``step`` included) plus every
         offloaded table's full state tables as CPU tensors (for small tables; see
         :func:`~gadgetloader.switching.save_checkpoint` for large ones)."""
+        for pager in self.pagers:
+            pager.follow_hyper()
         return {
             "inner": self._inner_state_without_rows(),
             "tables": [
-                {k: torch.from_numpy(t.getNumpyVersion()) for k, t in pager.tables.items()}
-                for pager in self.pagers
+                {k: table_tensor(t) for k, t in pager.tables.items()} for pager in self.pagers
             ],
         }
 
@@ -867,6 +998,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 f"got keys {sorted(state_dict)}"
             )
         # check everything before writing anything: a bad state dict changes nothing
+        for pager in self.pagers:
+            pager.follow_hyper()  # state a scheduler turned on since construction has its table
         writes = []
         for pager, tables in zip(self.pagers, state_dict["tables"], strict=True):
             if not isinstance(tables, dict) or set(tables) != set(pager.tables):
@@ -893,9 +1026,25 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for table, t in writes:
             table.store.write_block(0, t.to(table.dtype))
             table.store.synchronize()
+        for pager in self.pagers:
+            pager.fresh = False
 
     def _load_inner(self, sd: dict[str, Any]) -> None:
         self.inner.load_state_dict(sd)
-        # load_state_dict rebuilt inner.state; share it again
+        # load_state_dict rebuilt inner.state and the groups; share them again
+        self._share_groups()
         self.state = self.inner.state
+
+    def _share_groups(self) -> None:
+        """Share the inner optimizer's param groups, as a list that merges pending table
+        gradients (:meth:`prepare_grads`) before anything walks it after a backward."""
+        groups = _Groups(self.inner.param_groups)
+        groups._owner = weakref.ref(self)
+        self.inner.param_groups = groups
+        self.param_groups = groups
+
+    def _auto_prepare(self) -> None:
+        if self._preparing or not any(m._has_pending_grads() for m in self.tables):
+            return
+        self.prepare_grads()
         self.param_groups = self.inner.param_groups

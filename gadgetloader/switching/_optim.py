@@ -209,6 +209,47 @@ def probe_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> StateL
     return StateLayout(tuple(row_keys), init_rows, init_scalars, sparse)
 
 
+def _hyper_key(group: dict[str, Any], exact: bool) -> tuple[Any, ...]:
+    """A comparable summary of a param group's hyper-parameters: their values (``exact``)
+    or only whether each option is on (a number other than 0, a true flag)."""
+
+    def one(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            v = v.item() if v.numel() == 1 else (v.data_ptr(), tuple(v.shape))
+        if isinstance(v, (tuple, list)):
+            return tuple(one(x) for x in v)
+        if isinstance(v, bool) or v is None or isinstance(v, str):
+            return v
+        if isinstance(v, (int, float)):
+            return v if exact else v != 0
+        return type(v).__name__
+
+    return tuple((k, one(v)) for k, v in group.items() if k != "params")
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+
+
+def _same_scalar(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and _same_tensor(a.detach().cpu(), b.detach().cpu())
+        )
+    return bool(a == b)
+
+
+def _fill_state(table: DataGadget, init: torch.Tensor, row_shape: tuple[int, ...]) -> None:
+    """Fill every row of ``table`` with the one-row state ``init``."""
+    fill = init.reshape(row_shape)
+    if torch.all(fill == fill.reshape(-1)[0]).item():
+        table.fill_(float(fill.reshape(-1)[0].item()) if fill.numel() else 0.0)
+    else:
+        table.init_(lambda t, f=fill: t.copy_(f.to(t.device, t.dtype).expand_as(t)))
+
+
 class StatePager:
     """Pages the row-shaped optimizer state of one parameter between tables and the optimizer.
 
@@ -260,6 +301,21 @@ class StatePager:
         self._param_dtype = table.dtype if table is not None else None
         self.layout = probe_state(optimizer, param)
         row_shape = tuple(param.shape[1:])
+        #: the parameter's group, and its hyper-parameters when the layout was probed: the
+        #: exact values until the first step (a scheduler may change ``lr`` before it, and
+        #: Rprop's ``step_size`` / ASGD's ``eta`` start from the first step's ``lr``), then
+        #: only which options are on (momentum 0 -> 0.9 adds a momentum buffer)
+        self._group = _group_of(optimizer, param)
+        self._hyper = _hyper_key(self._group, exact=True)
+        self._hyper_on = _hyper_key(self._group, exact=False)
+        #: True until the state is first written back or loaded: the tables still hold a
+        #: fresh row's state and may be refilled from the first step's hyper-parameters
+        self.fresh = True
+        #: bumped when state tables are added (the layout grew)
+        self.layout_version = 0
+        self._placement = placement
+        self._dtype = dtype
+        self._num_rows = num_rows
         self.tables: dict[str, DataGadget] = {}
         #: whether a fresh row's state is all zeros (padding rows are then zeroed)
         self._zero_init: dict[str, bool] = {}
@@ -293,11 +349,7 @@ class StatePager:
                     placement=placement,
                     device=param.device,
                 )
-            fill = init.reshape(row_shape)
-            if torch.all(fill == fill.reshape(-1)[0]).item():
-                state_table.fill_(float(fill.reshape(-1)[0].item()) if fill.numel() else 0.0)
-            else:
-                state_table.init_(lambda t, f=fill: t.copy_(f.to(t.device, t.dtype).expand_as(t)))
+            _fill_state(state_table, init, row_shape)
             self.tables[key] = state_table
         state = optimizer.state[param]
         for key, value in self.layout.init_scalars.items():
@@ -309,6 +361,77 @@ class StatePager:
     @property
     def row_keys(self) -> tuple[str, ...]:
         return self.layout.row_keys
+
+    def follow_hyper(self) -> bool:
+        """Follow hyper-parameter changes made since the layout was probed.
+
+        Before the first step any change counts (an LR warm-up lowers ``lr`` before it,
+        and torch starts Rprop's ``step_size`` and ASGD's ``eta`` from the first step's
+        ``lr``): the layout is probed again and tables whose fresh row changed are
+        refilled. After it, only an option turned on or off counts (a scheduler's
+        ``momentum`` 0 -> 0.9 makes torch keep a momentum buffer): state that appears
+        gets a new table, filled with a fresh row's state (torch's first step for those
+        rows). Returns whether the tables changed.
+        """
+        group = self._current_group()
+        if self.fresh:
+            key = _hyper_key(group, exact=True)
+            if key == self._hyper:
+                return False
+            self._hyper, self._hyper_on = key, _hyper_key(group, exact=False)
+        else:
+            key = _hyper_key(group, exact=False)
+            if key == self._hyper_on:
+                return False
+            self._hyper_on = key
+        return self._adopt(probe_state(self.optimizer, self.param))
+
+    def _current_group(self) -> dict[str, Any]:
+        """The parameter's group (found again after ``load_state_dict`` rebuilt the groups)."""
+        groups = self.optimizer.param_groups
+        for i in range(len(groups)):  # by index: iterating may have side effects
+            if groups[i] is self._group:
+                return self._group
+        self._group = _group_of(self.optimizer, self.param)
+        return self._group
+
+    def _adopt(self, layout: StateLayout) -> bool:
+        """Take ``layout`` (a new probe): add tables for new row state; while fresh, refill
+        tables and reset scalars whose fresh value changed."""
+        old = self.layout
+        row_shape = tuple(self.param.shape[1:])
+        changed = False
+        init_rows = dict(old.init_rows)
+        for key in layout.row_keys:
+            init = layout.init_rows[key]
+            table = self.tables.get(key)
+            if table is None:
+                table = DataGadget(
+                    shape=(self._num_rows, *row_shape),
+                    dtype=self._dtype if self._dtype is not None else init.dtype,
+                    placement=self._placement,
+                    device=self.param.device,
+                )
+                _fill_state(table, init, row_shape)
+                self.tables[key] = table
+                changed = True
+            elif self.fresh and not _same_tensor(init, old.init_rows[key]):
+                _fill_state(table, init, row_shape)
+                changed = True
+            init_rows[key] = init
+            self._zero_init[key] = bool((init == 0).all().item()) if init.numel() else True
+        row_keys = old.row_keys + tuple(k for k in layout.row_keys if k not in old.row_keys)
+        init_scalars = dict(old.init_scalars)
+        state = self.optimizer.state[self.param]
+        for key, value in layout.init_scalars.items():
+            if key not in state or (self.fresh and not _same_scalar(value, init_scalars.get(key))):
+                state[key] = _snapshot(value)
+            init_scalars[key] = value
+        self.layout = StateLayout(row_keys, init_rows, init_scalars, layout.sparse_grad)
+        if changed:
+            self._fused = None
+            self.layout_version += 1
+        return changed
 
     def load(
         self,
@@ -325,6 +448,8 @@ class StatePager:
         table, already gathered (with the table's rows, by the model's side) into their
         first ``plan.num_rows`` rows; used in place.
         """
+        if self.follow_hyper():
+            prefetched = None  # gathered before the tables were refilled or grew
         state = self.optimizer.state[self.param]
         dev = self.param.device
         n = plan.num_rows
@@ -383,6 +508,7 @@ class StatePager:
             rows_out.append(with_table[1][: plan.num_rows])
         self.stored_plan = plan
         self.generation += 1
+        self.fresh = False
         for key, table in self.tables.items():
             rows = state.get(key)
             if rows is None:
@@ -427,6 +553,7 @@ class StatePager:
 
     def set_scalar_state(self, values: dict[str, Any]) -> None:
         """Restore scalar entries, keeping torch's types, devices and in-place identity."""
+        self.fresh = False
         state = self.optimizer.state[self.param]
         for key, value in values.items():
             cur = state.get(key)
@@ -643,8 +770,10 @@ class OptimizerSwitch:
     def customInit(self, initFunction: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Fill every state table with an in-place torch initializer, e.g.
         ``customInit(torch.nn.init.constant_, 0.1)`` for an Adagrad accumulator."""
-        for t in self._need_pager().tables.values():
+        pager = self._need_pager()
+        for t in pager.tables.values():
             t.init_(initFunction, *args, **kwargs)
+        pager.fresh = False
 
     def saveTorch(self, saveFileName: str | os.PathLike[str]) -> None:
         """Save the state tables with ``torch.save`` as ``{state name: CPU tensor}``,
@@ -675,6 +804,7 @@ class OptimizerSwitch:
         for k, t in tables.items():
             t.store.write_block(0, checked[k])
             t.store.synchronize()
+        self._need_pager().fresh = False
 
     def optInit(self) -> None:
         """Create the state tables, filled as torch initialises a fresh parameter's state.
@@ -711,6 +841,7 @@ class OptimizerSwitch:
     def _need_pager(self) -> StatePager:
         if self.pager is None:
             raise GadgetValueError("call optInit() before using the optimizer switcher")
+        self.pager.follow_hyper()  # state a scheduler turned on has its table (see StatePager)
         return self.pager
 
     def _plan(self, pos: Any, neg: Any) -> RowPlan:

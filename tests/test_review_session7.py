@@ -1,0 +1,306 @@
+"""Cases found by session 7's independent training review: each failed before its fix.
+
+The reference is always plain torch: a dense ``nn.Embedding`` trained by the same optimizer
+(and scheduler / scaler), with every row in every batch where lazy and dense updates must
+agree, or the exact first-step arithmetic where they differ.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import gadgetloader as gl
+from gadgetloader.switching import load_checkpoint, save_checkpoint
+
+ROWS, DIM = 6, 3
+
+
+def _w0() -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(ROWS, DIM, generator=g)
+
+
+def _offloaded(placement, device, w0):
+    emb = gl.OffloadedEmbedding(ROWS, DIM, placement=placement, device=device)
+    emb.load_state_dict({"weight": w0})
+    return emb
+
+
+def _dense(device, w0):
+    emb = nn.Embedding(ROWS, DIM).to(device)
+    with torch.no_grad():
+        emb.weight.copy_(w0)
+    return emb
+
+
+def _weights(emb) -> torch.Tensor:
+    if isinstance(emb, nn.Embedding):
+        return emb.weight.detach().cpu().clone()
+    return emb.weight.as_tensor().detach().cpu().clone()
+
+
+SCHEDULED = [
+    pytest.param(
+        torch.optim.SGD,
+        {"lr": 0.1},
+        lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10),
+        id="sgd-onecycle-momentum",
+    ),
+    pytest.param(
+        torch.optim.RMSprop,
+        {"lr": 0.05},
+        lambda o: torch.optim.lr_scheduler.CyclicLR(
+            o, 0.01, 0.1, cycle_momentum=True, base_momentum=0.5, max_momentum=0.9
+        ),
+        id="rmsprop-cyclic-momentum",
+    ),
+    pytest.param(
+        torch.optim.Rprop,
+        {"lr": 0.05},
+        lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=5),
+        id="rprop-warmup",
+    ),
+    pytest.param(
+        torch.optim.ASGD,
+        {"lr": 0.05},
+        lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=5),
+        id="asgd-warmup",
+    ),
+]
+
+
+@pytest.mark.parametrize("opt_cls,kw,make_sched", SCHEDULED)
+def test_schedulers_that_change_state_match_torch(placement, device, opt_cls, kw, make_sched):
+    """Momentum turned on by a scheduler, and lr warmed up before the first step (Rprop's
+    step_size, ASGD's eta start from it): every row in every batch, so lazy == dense."""
+    w0 = _w0()
+    ids = torch.arange(ROWS, device=device).repeat(2)
+    results = []
+    for off in (True, False):
+        emb = _offloaded(placement, device, w0) if off else _dense(device, w0)
+        opt = (
+            gl.OffloadedOptimizer(opt_cls, emb, **kw)
+            if off
+            else opt_cls(emb.parameters(), **kw)
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # schedulers' own warnings
+            sched = make_sched(opt)
+        for step in range(4):
+            opt.zero_grad()
+            (emb(ids) ** 2 * (step + 1)).sum().backward()
+            opt.step()
+            sched.step()
+        results.append(_weights(emb))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-6)
+
+
+def test_momentum_turned_on_later_is_paged_per_row(placement, device):
+    """Rows first used after a scheduler turned momentum on start their own buffer (torch's
+    first step: buf = grad), instead of reusing other rows' stale momentum."""
+    w0 = _w0()
+    emb = _offloaded(placement, device, w0)
+    opt = gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+    lrs = []
+    for ids in ([0, 1, 2], [3, 4, 5], [0, 1]):  # 3 then 2 distinct rows: no shape clash
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.zero_grad()
+        emb(torch.tensor(ids, device=device)).sum().backward()
+        opt.step()
+        sched.step()
+    moved = _weights(emb) - w0
+    # rows 3-5: one step, their first with momentum: -lr * grad (grad = 1)
+    torch.testing.assert_close(moved[3:], torch.full((3, DIM), -lrs[1]), rtol=0, atol=1e-6)
+    # row 2: one step (the first)
+    torch.testing.assert_close(moved[2], torch.full((DIM,), -lrs[0]), rtol=0, atol=1e-6)
+    # rows 0-1: buf1 = 1, then buf = m * 1 + 1 with the third step's momentum
+    m = opt.param_groups[0]["momentum"]
+    assert "momentum_buffer" in opt.pagers[0].tables
+    del m  # the scheduler moved it after the step; check against the table instead
+    buf = opt.pagers[0].tables["momentum_buffer"].as_tensor().cpu()
+    assert torch.all(buf[2:] == 1.0) and torch.all(buf[0:2] > 1.0)
+    expect01 = -lrs[0] - lrs[2] * buf[0, 0].item()
+    torch.testing.assert_close(moved[0], torch.full((DIM,), expect01), rtol=0, atol=1e-6)
+
+
+def test_checkpoint_with_momentum_from_a_scheduler_resumes_exactly(tmp_path, placement, device):
+    w0 = _w0()
+    batches = [torch.tensor(b, device=device) for b in ([0, 1, 2], [2, 3], [4, 5, 0], [1, 4])]
+
+    def build():
+        emb = _offloaded(placement, device, w0)
+        opt = gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=0.1)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+        return emb, opt, sched
+
+    def train(emb, opt, sched, bs):
+        for b in bs:
+            opt.zero_grad()
+            (emb(b) ** 2).sum().backward()
+            opt.step()
+            sched.step()
+
+    ref = build()
+    train(*ref, batches)
+    first = build()
+    train(*first, batches[:2])
+    save_checkpoint(tmp_path / "ck", {"model": first[0], "opt": first[1]})
+    sched_state = first[2].state_dict()
+    second = build()  # momentum is 0 when the optimizer is built: the table appears on load
+    second[2].load_state_dict(sched_state)
+    load_checkpoint(tmp_path / "ck", {"model": second[0], "opt": second[1]})
+    train(*second, batches[2:])
+    assert torch.equal(_weights(second[0]), _weights(ref[0]))
+
+
+def _scaled_setup(placement, device, w0, off, with_opt=True):
+    emb = _offloaded(placement, device, w0) if off else _dense(device, w0)
+    torch.manual_seed(0)
+    head = nn.Linear(DIM, 1).to(device)
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    if not with_opt:
+        return model, None
+    opt = (
+        gl.OffloadedOptimizer(torch.optim.SGD, model, lr=0.01)
+        if off
+        else torch.optim.SGD(model.parameters(), lr=0.01)
+    )
+    return model, opt
+
+
+@pytest.mark.parametrize("order", ["scaler-step-only", "unscale-then-prepare", "prepare-first"])
+def test_grad_scaler_unscales_table_gradients(placement, device, order):
+    w0 = _w0()
+    ids = torch.tensor([1, 2, 2], device=device)
+    got = []
+    for off in (True, False):
+        model, opt = _scaled_setup(placement, device, w0, off)
+        sc = torch.amp.GradScaler(device.type, init_scale=1024.0)
+        sc.scale(model["head"](model["emb"](ids)).sum()).backward()
+        if off and order == "prepare-first":
+            opt.prepare_grads()
+        if order != "scaler-step-only":
+            sc.unscale_(opt)
+            if off and order == "unscale-then-prepare":
+                opt.prepare_grads()
+            params = [p for g in opt.param_groups for p in g["params"]]
+            torch.nn.utils.clip_grad_norm_(params, 1e6)
+        sc.step(opt)
+        sc.update()
+        got.append(_weights(model["emb"]))
+    torch.testing.assert_close(got[0], got[1], rtol=1e-5, atol=1e-7)
+
+
+def test_grad_scaler_skips_a_step_with_inf_only_in_a_table(placement, device):
+    w0 = _w0()
+    model, opt = _scaled_setup(placement, device, w0, True)
+    sc = torch.amp.GradScaler(device.type, init_scale=1024.0)
+    before_head = model["head"].weight.detach().clone()
+    loss = (model["emb"](torch.tensor([1, 2], device=device)) * float("inf")).sum()
+    sc.scale(loss).backward()
+    sc.step(opt)
+    sc.update()
+    assert torch.equal(_weights(model["emb"]), w0)
+    assert torch.equal(model["head"].weight.detach(), before_head)
+    assert sc.get_scale() < 1024.0
+
+
+def test_tables_take_their_param_group_options(placement, device):
+    w0 = _w0()
+    ids = torch.tensor([0, 3, 3], device=device)
+    got = []
+    for off in (True, False):
+        model, _ = _scaled_setup(placement, device, w0, off, with_opt=False)
+        groups = [
+            {"params": model["emb"] if off else model["emb"].parameters(), "lr": 0.5},
+            {"params": model["head"].parameters(), "lr": 0.01},
+        ]
+        opt = (
+            gl.OffloadedOptimizer(torch.optim.SGD, groups, lr=0.1)
+            if off
+            else torch.optim.SGD(groups, lr=0.1)
+        )
+        opt.zero_grad()
+        model["head"](model["emb"](ids)).sum().backward()
+        opt.step()
+        got.append((_weights(model["emb"]), model["head"].weight.detach().cpu().clone()))
+    torch.testing.assert_close(got[0][0], got[1][0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got[0][1], got[1][1], rtol=1e-6, atol=1e-7)
+    # a module beside a group that names some of its parameters: no duplicate error
+    model, _ = _scaled_setup(placement, device, w0, True, with_opt=False)
+    opt = gl.OffloadedOptimizer(
+        torch.optim.SGD, [model, {"params": model["head"].parameters(), "lr": 0.01}], lr=0.1
+    )
+    lrs = sorted(g["lr"] for g in opt.param_groups)
+    assert lrs == [0.01, 0.1]
+
+
+def test_param_group_with_a_non_parameter_is_a_gadget_error(placement, device):
+    emb = gl.OffloadedEmbedding(ROWS, DIM, placement=placement, device=device)
+    with pytest.raises(gl.GadgetTypeError, match="param group 0"):
+        gl.OffloadedOptimizer(torch.optim.SGD, [{"params": [emb, "x"], "lr": 0.5}], lr=0.1)
+
+
+def test_requires_grad_false_freezes_the_table(placement, device):
+    w0 = _w0()
+    emb = _offloaded(placement, device, w0)
+    head = nn.Linear(DIM, 1).to(device)
+    model = nn.Sequential(emb, head)
+    opt = gl.OffloadedOptimizer(torch.optim.Adam, model, lr=0.1)
+    emb.requires_grad_(False)
+    out = emb(torch.tensor([1, 2], device=device))
+    assert not out.requires_grad
+    head_before = head.weight.detach().clone()
+    opt.zero_grad()
+    model(torch.tensor([1, 2], device=device)).sum().backward()
+    opt.step()
+    assert torch.equal(_weights(emb), w0)
+    assert not torch.equal(head.weight.detach(), head_before)
+    emb.requires_grad_(True)
+    opt.zero_grad()
+    model(torch.tensor([1, 2], device=device)).sum().backward()
+    opt.step()
+    moved = (_weights(emb) - w0).abs().sum(1)
+    assert moved[1] > 0 and moved[2] > 0 and moved[0] == 0
+
+
+def test_module_dtype_conversion_sets_the_lookup_dtype(placement, device):
+    w0 = _w0()
+    emb = _offloaded(placement, device, w0)
+    model = nn.Sequential(emb, nn.Linear(DIM, 1)).to(device).double()
+    assert emb.table.dtype == torch.float32
+    ids = torch.tensor([1, 4], device=device)
+    out = emb(ids)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out.cpu(), w0[[1, 4]].double())
+    opt = gl.OffloadedOptimizer(torch.optim.SGD, model, lr=0.1)
+    opt.zero_grad()
+    emb(ids).sum().backward()
+    opt.step()
+    torch.testing.assert_close(_weights(emb)[[1, 4]], w0[[1, 4]] - 0.1)
+    model.float()
+    assert emb(ids).dtype == torch.float32
+    bag = gl.OffloadedEmbeddingBag(ROWS, DIM, mode="sum", placement=placement, device=device)
+    bag.half()
+    w = torch.ones(2, 2, dtype=torch.float16, device=device)
+    assert bag(torch.tensor([[0, 1], [2, 3]], device=device), per_sample_weights=w).dtype == (
+        torch.float16
+    )
+
+
+def test_bfloat16_state_dicts_keep_bfloat16(placement, device):
+    emb = gl.OffloadedEmbedding(ROWS, DIM, placement=placement, device=device, dtype="bfloat16")
+    opt = gl.OffloadedOptimizer(torch.optim.Adam, emb, lr=0.1)
+    emb(torch.tensor([1, 2], device=device)).float().sum().backward()
+    opt.step()
+    assert emb.state_dict()["weight"].dtype == torch.bfloat16
+    tables = opt.state_dict()["tables"][0]
+    assert tables and all(t.dtype == torch.bfloat16 for t in tables.values())
+    fresh = gl.OffloadedEmbedding(ROWS, DIM, placement=placement, device=device, dtype="bfloat16")
+    fresh.load_state_dict(emb.state_dict())
+    assert torch.equal(fresh.weight.as_tensor().cpu(), emb.weight.as_tensor().cpu())
