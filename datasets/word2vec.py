@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -259,10 +259,15 @@ def _rate(text: str) -> float:
     return value
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """Errors are one line (``--help`` shows the usage), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m datasets.word2vec", description=__doc__.split("\n\n")[0]
-    )
+    p = _OneLineErrors(prog="python -m datasets.word2vec", description=__doc__.split("\n\n")[0])
     p.add_argument("corpus", help="a text file")
     p.add_argument("--dim", type=_count(1), default=100)
     p.add_argument("--epochs", type=_count(1), default=1)

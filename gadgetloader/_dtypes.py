@@ -75,9 +75,23 @@ def as_torch_dtype(dtype: Any) -> torch.dtype:
             npd = npd.newbyteorder("=")
         result = _TORCH_OF_NUMPY.get(npd)  # type: ignore[assignment]
         if result is None:
+            hint = ""
+            if npd.kind == "u":
+                wider = {2: "int32", 4: "int64"}.get(npd.itemsize)
+                hint = (
+                    " (torch cannot index unsigned integers wider than 8 bits on every "
+                    "version gadgetloader supports; "
+                    + (
+                        f"pass dtype='{wider}' with an array source, or convert the file to {wider})"
+                        if wider
+                        else "convert to int64 where the values fit)"
+                    )
+                )
+            elif npd.kind == "c":
+                hint = " (complex tables are not supported; store the real and imaginary parts)"
             raise GadgetTypeError(
-                f"dtype {npd} is not supported for a table; expected a numeric or bool dtype, "
-                f"one of {[dtype_name(d) for d in SUPPORTED_DTYPES]}"
+                f"dtype {npd} is not supported for a table{hint}; tables hold "
+                f"{', '.join(dtype_name(d) for d in SUPPORTED_DTYPES)}"
             )
     if result not in _NUMPY_OF:
         raise GadgetTypeError(

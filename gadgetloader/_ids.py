@@ -45,8 +45,21 @@ def _holds_bool(seq: list[Any] | tuple[Any, ...]) -> bool:
     return False
 
 
+#: torch's wide unsigned dtypes (torch >= 2.3), read as int64 ids after a range check
+_WIDE_UNSIGNED = tuple(
+    d for d in (getattr(torch, n, None) for n in ("uint16", "uint32", "uint64")) if d is not None
+)
+
+
 def _to_tensor(indexes: Any) -> torch.Tensor:
     if isinstance(indexes, torch.Tensor):
+        if indexes.dtype in _WIDE_UNSIGNED:
+            # through NumPy, whose uint64 compares without wrapping (torch's wide unsigned
+            # dtypes have few operations on older versions); rare, so the copy is fine
+            arr = indexes.detach().cpu().numpy()
+            if arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+                raise GadgetIndexError("ids larger than 2**63-1 cannot address any table")
+            return torch.from_numpy(arr.astype(np.int64)).to(indexes.device)
         return indexes
     if isinstance(indexes, np.ndarray):
         if indexes.dtype.kind not in "iu":
@@ -84,6 +97,15 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
                 f"ids must form a rectangular array of integers; got a ragged {type(indexes).__name__}"
             ) from exc
         if arr.dtype.kind not in "iu":
+            if arr.size == 0:  # [[]]: an empty (1, 0) id array
+                return torch.empty(arr.shape, dtype=torch.int64)
+            flat = arr.reshape(-1).tolist() if arr.dtype == object else None
+            if arr.dtype == object or arr.dtype.kind == "f":
+                items = flat if flat is not None else _flat_items(indexes)
+                if items and all(
+                    isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in items
+                ):
+                    raise GadgetIndexError("ids larger than 2**63-1 cannot address any table")
             raise GadgetTypeError(
                 f"ids must be integers; got a {type(indexes).__name__} holding {arr.dtype} values"
             )
@@ -97,6 +119,17 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
         "ids must be a torch tensor, a NumPy or CuPy array, a list, a range or an int; "
         f"got {type(indexes).__name__}"
     )
+
+
+def _flat_items(seq: Any) -> list[Any]:
+    """The leaves of a nested list / tuple."""
+    out: list[Any] = []
+    for x in seq:
+        if isinstance(x, (list, tuple)):
+            out.extend(_flat_items(x))
+        else:
+            out.append(x)
+    return out
 
 
 def check_range(ids: torch.Tensor, num_rows: int) -> None:

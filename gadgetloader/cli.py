@@ -45,7 +45,13 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("--no-measure", action="store_true", help="skip the bandwidth measurement")
     info.add_argument("--json", metavar="FILE", help="also write the information as JSON")
 
-    bench = sub.add_parser("bench", help="benchmarks against the baselines, in one run")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks against the baselines, in one run",
+        usage="%(prog)s [-h] [SUITE] [options of that suite, after its name]",
+        description="Without SUITE the seed benchmark runs (its options then follow "
+        "'bench' directly). `gadgetloader bench SUITE -h` lists a suite's options.",
+    )
     bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
     suites = bench.add_subparsers(dest="suite", required=False, metavar="SUITE")
     importlib.import_module(_SUITES["seed"][0]).add_arguments(bench)  # `bench --rows N` = seed

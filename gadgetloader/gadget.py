@@ -90,6 +90,23 @@ def _is_shape(obj: Any) -> bool:
     )
 
 
+def _unsigned_to(a: np.ndarray, target: torch.dtype) -> np.ndarray:
+    """A uint16/32/64 array (no torch table dtype) as ``target``, if every value fits."""
+    npd = numpy_dtype(target)
+    if npd.kind not in "iuf":
+        raise GadgetTypeError(
+            f"a {a.dtype} array converts to a numeric dtype; got {dtype_name(target)}"
+        )
+    if a.size:
+        hi = int(a.max())
+        top = np.iinfo(npd).max if npd.kind in "iu" else np.finfo(npd).max
+        if hi > top:
+            raise GadgetValueError(
+                f"the source array holds values up to {hi}, beyond {dtype_name(target)}'s range"
+            )
+    return a.astype(npd)
+
+
 class DataGadget:
     """A table of rows -- embeddings, features, labels -- that the GPU gathers from and scatters to.
 
@@ -109,9 +126,10 @@ class DataGadget:
         For a new table (``dtype`` defaults to float32). ``dtype`` may be a string
         (``'float32'``), a NumPy or a torch dtype. With an array or tensor source,
         ``dtype`` converts it when the cast keeps its kind or widens it (float64 ->
-        float32, int64 -> float32; integers must fit the new type's range), and raises
-        ``GadgetTypeError`` for a cast that would truncate (float -> int): convert
-        such data yourself. A file source must already hold ``dtype``.
+        float32, int64 -> float32; values must fit the new type's range: an integer
+        out of range, or a finite value that would become ``inf``, raises
+        ``GadgetValueError``), and raises ``GadgetTypeError`` for a cast that would
+        truncate (float -> int): convert such data yourself. A file source must already hold ``dtype``.
     device : str or torch.device, optional
         Where :meth:`getData` delivers rows: the current CUDA device by default, the
         CPU where CUDA is missing.
@@ -190,6 +208,13 @@ class DataGadget:
                 self._source_path, requested, dataset, format, progress, dtype, options
             )
         else:
+            if (
+                isinstance(fileName, np.ndarray)
+                and fileName.dtype.kind == "u"
+                and fileName.dtype.itemsize > 1
+                and dtype is not None
+            ):
+                fileName = _unsigned_to(fileName, as_torch_dtype(dtype))
             data = as_tensor_data(fileName, "the source array")
             if data.dim() == 0:
                 raise GadgetValueError("a table needs at least one axis; got a 0-d array")
@@ -210,7 +235,23 @@ class DataGadget:
                             f"the source array holds values from {lo} to {hi}, outside "
                             f"{dtype_name(target)}'s range [{info.min}, {info.max}]"
                         )
-                data = data.to(target)
+                cast = data.to(target)
+                if target.is_floating_point and data.numel() and not data.dtype.is_complex:
+                    # a value beyond the new type's range would become inf
+                    finite = (
+                        torch.isfinite(data)
+                        if data.dtype.is_floating_point
+                        else torch.ones_like(data, dtype=torch.bool)
+                    )
+                    over = torch.isinf(cast) & finite
+                    if bool(over.any()):
+                        bad = data[over].reshape(-1)[0].item()
+                        fmax = torch.finfo(target).max
+                        raise GadgetValueError(
+                            f"the source array holds {bad}, beyond {dtype_name(target)}'s range "
+                            f"(largest finite value {fmax:g}); it would become inf"
+                        )
+                data = cast
             as_torch_dtype(data.dtype)
             self._store = empty_store(requested, tuple(data.shape), data.dtype, cuda_dev)
             if data.numel():

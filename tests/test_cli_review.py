@@ -174,6 +174,14 @@ def test_word2vec_user_errors_are_one_line(tmp_path, capsys):
         rc, out = _w2v([*argv, "--no-progress"], capsys)
         assert rc in (1, 2), argv
         assert message in out.err and "Traceback" not in out.err, argv
+        assert len(out.err.strip().splitlines()) == 1, out.err  # no usage block either
+
+
+def test_bench_help_shows_the_suite_before_its_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    usage = capsys.readouterr().out.splitlines()[0]
+    assert usage.startswith("usage: gadgetloader bench [-h] [SUITE]"), usage
 
 
 def test_word2vec_show_lowercases_and_reports_unknown_words(tmp_path, capsys):

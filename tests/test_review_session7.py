@@ -82,11 +82,7 @@ def test_schedulers_that_change_state_match_torch(placement, device, opt_cls, kw
     results = []
     for off in (True, False):
         emb = _offloaded(placement, device, w0) if off else _dense(device, w0)
-        opt = (
-            gl.OffloadedOptimizer(opt_cls, emb, **kw)
-            if off
-            else opt_cls(emb.parameters(), **kw)
-        )
+        opt = gl.OffloadedOptimizer(opt_cls, emb, **kw) if off else opt_cls(emb.parameters(), **kw)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # schedulers' own warnings
             sched = make_sched(opt)

@@ -352,14 +352,16 @@ class GadgetDataset(Dataset[Any]):
         """A whole batch for torch's fetcher: ``[GadgetBatch]`` (see the module notes).
 
         The default form's ``BatchSampler`` hands over a list of Python ints: it is
-        read into int64 in one pass (``array.array``, which refuses anything that is
-        not an integer) and range-checked once, skipping the general id conversion.
+        read into int64 in one pass (``array.array``; a list that is not all plain ints,
+        bools included, takes the general path, which refuses bools) and range-checked
+        once, skipping the general id conversion.
         """
-        if type(indices) is list and indices and type(indices[0]) is int:
+        # only plain ints take the fast path (a bool is an int to array.array, but no row id)
+        if type(indices) is list and indices and set(map(type, indices)) == {int}:
             try:
                 buf = array.array("q", indices)
-            except (TypeError, OverflowError):
-                pass  # not all ints: the general path below explains what is wrong
+            except OverflowError:
+                pass  # beyond int64: the general path below explains what is wrong
             else:
                 ids = torch.frombuffer(buf, dtype=torch.int64)
                 lo, hi = torch.aminmax(ids)

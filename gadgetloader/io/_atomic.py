@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import signal
+import stat
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -14,10 +15,32 @@ from pathlib import Path
 __all__ = ["interrupts_deferred", "temp_path_beside", "replace_atomically", "remove_path"]
 
 
-def temp_path_beside(target: str | os.PathLike[str]) -> Path:
-    """A fresh hidden path in the target's directory (same file system, so rename is atomic)."""
+def _resolved(target: str | os.PathLike[str]) -> Path:
+    """``target``, or what it links to when it is a symbolic link: a save through a link
+    writes the file the link names (as ``numpy.save`` does) and the link stays."""
     t = Path(target)
+    return Path(os.path.realpath(t)) if t.is_symlink() else t
+
+
+def temp_path_beside(target: str | os.PathLike[str]) -> Path:
+    """A fresh hidden path in the target's directory (same file system, so rename is atomic).
+    A symbolic link's target is the one written (see :func:`replace_atomically`)."""
+    t = _resolved(target)
     return t.with_name(f".{t.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _keep_attributes(old: Path, new: Path) -> None:
+    """Give ``new`` the permission bits (and, where allowed, the owner and group) of
+    ``old``, which it replaces: a private 0600 table stays private."""
+    try:
+        st = os.stat(old)
+    except OSError:
+        return
+    with contextlib.suppress(OSError):
+        os.chmod(new, stat.S_IMODE(st.st_mode))
+    if hasattr(os, "chown"):
+        with contextlib.suppress(OSError):
+            os.chown(new, st.st_uid, st.st_gid)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -44,8 +67,11 @@ def remove_path(path: str | os.PathLike[str]) -> None:
 def replace_atomically(tmp: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
     """Move ``tmp`` onto ``target``. A file is replaced in one ``rename``; a directory
     (zarr) is renamed aside first, so at every instant either the old or the new one
-    is complete at ``target``'s path or at the aside path."""
-    tmp_p, target_p = Path(tmp), Path(target)
+    is complete at ``target``'s path or at the aside path. The new file keeps the old
+    one's permission bits (and owner, where allowed); a symbolic link stays a link and
+    the file it names is replaced. Other hard links to the old file keep the old data."""
+    tmp_p, target_p = Path(tmp), _resolved(target)
+    _keep_attributes(target_p, tmp_p)
     if tmp_p.is_dir() and target_p.exists():
         aside = temp_path_beside(target_p)
         os.replace(target_p, aside)

@@ -267,7 +267,18 @@ class Hdf5Source(ArraySource):
                 raise GadgetKeyError(
                     f"{self.path} has no dataset {dataset!r}; datasets in the file: {names}"
                 )
-            self.dataset = obj.name.lstrip("/")
+            home = os.path.realpath(obj.file.filename)
+            if home == os.path.realpath(self.path):
+                self.dataset = obj.name.lstrip("/")
+            else:  # reached through an external link: its name is the other file's
+                self.dataset = dataset.strip("/")
+            #: the dataset object itself (file and header address): soft links and other
+            #: spellings of one dataset share caches and locks
+            info = h5py.h5o.get_info(obj.id)
+            addr = getattr(info, "addr", None)
+            self.identity: tuple[Any, ...] = (
+                ("hdf5", home, addr) if addr is not None else ("hdf5", home, obj.name)
+            )
             where = f"{self.path}[{self.dataset!r}]"
             self.dtype = table_dtype(obj.dtype, obj.attrs.get(DTYPE_ATTR) == "bfloat16", where)
             if obj.shape is None or len(obj.shape) == 0:

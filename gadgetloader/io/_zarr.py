@@ -208,6 +208,11 @@ class ZarrSource(ArraySource):
             dataset = ""
             arr = node
         self.dataset = dataset
+        #: the array's own folder: one array has one identity however it was named
+        #: (``"s.zarr"`` + ``dataset="g/x"`` or ``"s.zarr/g/x"``), and a save that replaces
+        #: it replaces this folder
+        self.watch_path = os.path.join(self.path, dataset) if dataset else self.path
+        self.identity: tuple[Any, ...] = ("zarr", os.path.realpath(self.watch_path))
         where = f"{self.path}[{dataset!r}]" if dataset else self.path
         self.dtype = table_dtype(
             np.dtype(arr.dtype), arr.attrs.get(DTYPE_ATTR) == "bfloat16", where

@@ -158,7 +158,7 @@ class Store(abc.ABC):
             _engine.scatter(dv, ids, rows.to(dv.device), strategy=strategy, host=hv, unique=unique)
             return
         assert hv is not None
-        src = rows.reshape(-1, *self.row_shape).cpu()
+        src = rows.reshape(ids.numel(), *self.row_shape).cpu()
         if unique:
             hv.index_copy_(0, ids.reshape(-1).cpu(), src)
             return

@@ -180,8 +180,15 @@ class FileStore(Store):
                 f"{self._format} file cannot be written in place: e.g. a Fortran-ordered .npy)"
             )
         self._writable = bool(can_write if writable is None else writable)
-        self._key = (os.path.realpath(self._path), self._dataset)
-        st = os.stat(self._path)
+        #: what the file lock and cache invalidation are keyed by: the array itself (a
+        #: source's ``identity``: one HDF5 dataset or zarr array under any name)
+        self._key = getattr(source, "identity", None) or (
+            os.path.realpath(self._path),
+            self._dataset,
+        )
+        #: the path whose file (or folder) must stay the one opened: a zarr array's folder
+        self._watch_path = os.path.abspath(getattr(source, "watch_path", None) or self._path)
+        st = os.stat(self._watch_path)
         #: the file this store opened: (device, inode), and a .npy's size (fixed by its header)
         self._ident = (st.st_dev, st.st_ino)
         self._size0 = st.st_size if self._format == "npy" else None
@@ -213,15 +220,15 @@ class FileStore(Store):
 
     def _check_file(self) -> None:
         try:
-            st = os.stat(self._path)
+            st = os.stat(self._watch_path)
         except OSError as exc:
             raise GadgetFileError(
-                f"{self._path} is gone ({exc.strerror}); this file-backed table cannot read or "
+                f"{self._watch_path} is gone ({exc.strerror}); this file-backed table cannot read or "
                 "write it any more"
             ) from exc
         if (st.st_dev, st.st_ino) != self._ident:
             raise GadgetFileError(
-                f"{self._path} was replaced on disk since this table opened it (by a save or "
+                f"{self._watch_path} was replaced on disk since this table opened it (by a save or "
                 "another program); open the new file with a new DataGadget (or call load()) "
                 "instead of mixing rows of two files"
             )
@@ -234,7 +241,7 @@ class FileStore(Store):
     def file_replaced(self) -> bool:
         """Whether the path now names another file than the one this store opened."""
         try:
-            st = os.stat(self._path)
+            st = os.stat(self._watch_path)
         except OSError:
             return True
         return (st.st_dev, st.st_ino) != self._ident
@@ -556,7 +563,7 @@ class FileStore(Store):
     ) -> None:
         """``table[ids] = rows`` written through to the file; a repeated id takes its last row."""
         self.check_writable()
-        src = _numpy_bits(rows.reshape(-1, *self.row_shape).detach().cpu().contiguous())
+        src = _numpy_bits(rows.reshape(ids.numel(), *self.row_shape).detach().cpu().contiguous())
         plan = last_writer(ids.reshape(-1).cpu())
         sel = plan.keep.nonzero().squeeze(1)
         uid = plan.ids[sel].numpy()

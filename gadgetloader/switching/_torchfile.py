@@ -66,7 +66,9 @@ def check_tensor(t: Any, what: str, shape: tuple[int, ...], dtype: torch.dtype) 
         return t
     if t.is_floating_point() and dtype.is_floating_point:
         cast = t.to(dtype)
-        if torch.equal(cast.to(t.dtype), t):
+        back = cast.to(t.dtype)
+        # NaN converts exactly too (but is unequal to itself)
+        if bool(((back == t) | (torch.isnan(back) & torch.isnan(t))).all()):
             return cast
     raise GadgetValueError(
         f"{what} holds a {dtype_name(t.dtype)} tensor; expected {dtype_name(dtype)} "
