@@ -78,7 +78,9 @@ def test_bad_ids(arrays: tuple[np.ndarray, ...]) -> None:
     with pytest.raises(GadgetIndexError):
         ds[N]
     with pytest.raises(GadgetIndexError, match="negative"):
-        ds[-1]
+        ds[-N - 1]  # ds[-1] is the last row, as in Python
+    with pytest.raises(GadgetIndexError, match="negative"):
+        ds[[-1]]
     with pytest.raises(GadgetTypeError, match="integers"):
         ds[[0.5, 1.0]]
     with pytest.raises(IndexError):  # Python's iteration protocol stops on it

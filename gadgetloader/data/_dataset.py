@@ -28,7 +28,7 @@ from .._ids import as_ids, check_range
 from ..gadget import DataGadget
 from ..stores import Store
 from ..transfer import _engine, _kernels
-from ._sampler import chunk_rows_of, sampler_ids_bound
+from ._sampler import SamplerIds, chunk_rows_of, sampler_ids_bound
 
 __all__ = ["GadgetBatch", "GadgetDataset"]
 
@@ -304,6 +304,13 @@ class GadgetDataset(Dataset[Any]):
         for i, g in enumerate(self._columns):
             store = g.store
             store.check_open()
+            if store.shape[0] != self._num_rows:
+                # the column was reloaded (loadCupy / load) with another number of rows
+                raise GadgetValueError(
+                    f"column {i} now has {store.shape[0]} rows but the dataset was built with "
+                    f"{self._num_rows}; its columns must keep one row count (build a new "
+                    "GadgetDataset after reloading a column)"
+                )
             if (
                 target.type == "cpu"
                 and store.host_view() is None
@@ -341,11 +348,18 @@ class GadgetDataset(Dataset[Any]):
 
     def __getitem__(self, index: Any) -> Any:
         """``ds[i]`` -> a tuple of one row per column; ``ds[ids]`` (list, array, tensor,
-        range, slice) -> a :class:`GadgetBatch` of batched columns."""
+        range, slice) -> a :class:`GadgetBatch` of batched columns.
+
+        A single int and a slice follow Python (``ds[-1]`` is the last row, ``ds[-3:]``
+        the last three); ids in a list, array or tensor must lie in ``[0, len(ds))``
+        (a negative one raises :class:`~gadgetloader.GadgetIndexError`)."""
         if isinstance(index, slice):
             index = range(*index.indices(self._num_rows))
         if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
-            return tuple(t[0] for t in self.gather([int(index)]))
+            i = int(index)
+            if -self._num_rows <= i < 0:
+                i += self._num_rows
+            return tuple(t[0] for t in self.gather([i]))
         return self.gather(index)
 
     def __getitems__(self, indices: Any) -> list[GadgetBatch]:
@@ -356,6 +370,12 @@ class GadgetDataset(Dataset[Any]):
         bools included, takes the general path, which refuses bools) and range-checked
         once, skipping the general id conversion.
         """
+        if type(indices) is list and indices and type(indices[0]) is SamplerIds:
+            raise GadgetValueError(
+                "DataLoader handed this dataset a list of GadgetSampler batches: a GadgetSampler "
+                "yields whole batches, so pass it as DataLoader(ds, batch_sampler=sampler) or "
+                "DataLoader(ds, sampler=sampler, batch_size=None)"
+            )
         # only plain ints take the fast path (a bool is an int to array.array, but no row id)
         if type(indices) is list and indices and set(map(type, indices)) == {int}:
             try:
@@ -601,9 +621,18 @@ def _stream_id(index: int) -> int:
     return int(torch.cuda.current_stream(index).cuda_stream)
 
 
+#: tensor types read as ids without the general conversion (a sampler's batches included)
+_PLAIN_TENSORS = (torch.Tensor, SamplerIds)
+
+
 def _checked_ids(indices: Any, num_rows: int) -> torch.Tensor:
     """Checked int64 ids; a CPU int64 tensor (what samplers yield) takes a one-pass check."""
-    if type(indices) is torch.Tensor and indices.dtype == torch.int64 and not indices.is_cuda:
+    if (
+        isinstance(indices, torch.Tensor)
+        and type(indices) in _PLAIN_TENSORS
+        and indices.dtype == torch.int64
+        and not indices.is_cuda
+    ):
         if indices.numel():
             lo, hi = torch.aminmax(indices)
             if int(lo) < 0 or int(hi) >= num_rows:

@@ -57,7 +57,8 @@ class GadgetLoader:
         Rows per batch (required without ``sampler``).
     prefetch : int, default 2
         Batches gathered ahead of the one being consumed (CUDA only; 0 gathers
-        each batch on the current stream when it is asked for).
+        each batch on the current stream when it is asked for, and makes the
+        default ``coalesce`` 1, so writes made before asking for a batch are seen).
     num_workers : int, default 0
         DataLoader worker processes. They never touch CUDA: they gather on the
         CPU, and batches are moved to the GPU here (from pinned memory).
@@ -141,6 +142,24 @@ class GadgetLoader:
             raise GadgetValueError(
                 "give either sampler= or batch_size= (the sampler already has a batch size), not both"
             )
+        elif given := [
+            name
+            for name, value, default in (
+                ("order", order, "random"),
+                ("drop_last", drop_last, False),
+                ("pad", pad, False),
+                ("seed", seed, 0),
+                ("window_chunks", window_chunks, None),
+                ("chunk_rows", chunk_rows, None),
+                ("num_replicas", num_replicas, None),
+                ("rank", rank, None),
+            )
+            if value is not default and value != default
+        ]:
+            raise GadgetValueError(
+                f"{', '.join(given)} set the sampler GadgetLoader builds; with sampler= they "
+                "would be ignored: give them to the GadgetSampler instead"
+            )
         elif not isinstance(sampler, GadgetSampler):
             raise GadgetTypeError(f"sampler must be a GadgetSampler; got {type(sampler).__name__}")
         if sampler.num_rows != len(dataset):
@@ -156,8 +175,8 @@ class GadgetLoader:
                     sampler.batch_size * dataset.row_nbytes,
                     all(route == "kernel" for route in dataset._routes()),
                 )
-                if dataset.device.type == "cuda" and workers == 0
-                else 1
+                if dataset.device.type == "cuda" and workers == 0 and self._prefetch > 0
+                else 1  # prefetch=0: nothing gathered before it is asked for
             )
         self._coalesce = _check_int(coalesce, "coalesce", minimum=1)
         if self._coalesce > 1 and workers > 0:
@@ -296,9 +315,14 @@ class GadgetLoader:
 
         more = True
         waited: tuple[Any, int] = (None, 0)  # (event, raw stream) last waited for
-        while more and len(pending) < depth:
-            more = fetch()
-        while pending:
+        if side is not None:
+            while more and len(pending) < depth:
+                more = fetch()
+        while True:
+            # no read-ahead without the side stream: a group is gathered only when its
+            # first batch is asked for (after the consumer's writes to the tables)
+            if not pending and (not more or not (more := fetch())):
+                break
             batch, whole, ready = pending.popleft()
             if ready is not None:
                 sid = consumers.raw()
@@ -307,7 +331,7 @@ class GadgetLoader:
                     consumer.wait_event(ready)
                     whole.record_stream(consumer)
                     waited = (ready, sid)
-            if more and len(pending) < depth:
+            if side is not None and more and len(pending) < depth:
                 more = fetch()
             active[2] += 1
             yield batch

@@ -57,6 +57,37 @@ def _mark(t: torch.Tensor, bound: int) -> torch.Tensor:
     return t
 
 
+class SamplerIds(torch.Tensor):
+    """A :class:`GadgetSampler` batch: int64 ids, a view of the epoch's order.
+
+    It behaves as a plain tensor (operations on it return ``torch.Tensor``). Pickled --
+    as ``DataLoader`` does to send it to a worker process -- it becomes a compact copy of
+    its own ids: torch would otherwise move the whole epoch order the view belongs to
+    (8 bytes a row) into shared memory, for every epoch, which fills a small
+    ``/dev/shm`` (64 MiB in Docker) and stalls the workers.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        arr = self.detach().cpu().numpy()  # a plain tensor: see __torch_function__
+        return (_ids_from_bytes, (arr.tobytes(), tuple(arr.shape), str(arr.dtype)))
+
+
+def _ids_from_bytes(data: bytes, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(bytearray(data), dtype=dtype).reshape(shape))
+
+
+def _as_batch(ids: torch.Tensor) -> SamplerIds:
+    """``ids`` as a :class:`SamplerIds` (same memory; a view keeps its base and tag)."""
+    out = ids.as_subclass(SamplerIds)
+    if ids._base is None:
+        mark = getattr(ids, _MARK, None)
+        if mark is not None:
+            setattr(out, _MARK, mark)
+    return out  # type: ignore[return-value]
+
+
 def sampler_ids_bound(ids: Any) -> int | None:
     """``bound`` if ``ids`` is an int64 CPU tensor a :class:`GadgetSampler` yielded (or a view
     of one), unchanged since, with every id in ``[0, bound)``; else None.
@@ -64,7 +95,7 @@ def sampler_ids_bound(ids: Any) -> int | None:
     Costs a few attribute reads: this is what lets a dataset skip the per-batch range
     check for a sampler's own ids.
     """
-    if type(ids) is not torch.Tensor:
+    if type(ids) is not torch.Tensor and type(ids) is not SamplerIds:
         return None
     holder = ids._base
     if holder is None:
@@ -428,8 +459,12 @@ class GadgetSampler(Sampler[Any]):
         """Start epoch ``epoch`` from its first batch at the next ``iter()`` (also when a
         :class:`GadgetLoader` over this sampler was left mid-epoch: this call wins).
         Without it, the next pass starts the next epoch once every batch of this one was
-        handed out (else this epoch anew)."""
-        self._restart(epoch)
+        handed out (else this epoch anew). After :meth:`load_state_dict`, ``set_epoch`` of
+        the loaded epoch keeps the loaded position (the ``DistributedSampler`` loop calls
+        ``set_epoch`` at the top of every epoch, the resumed one included)."""
+        epoch = _check_int(epoch, "epoch", minimum=0)
+        if not (self._resume is not None and epoch == self._epoch):
+            self._restart(epoch)
         self._changes = getattr(self, "_changes", 0) + 1
 
     def _restart(self, epoch: int) -> None:
@@ -535,7 +570,7 @@ class GadgetSampler(Sampler[Any]):
                 # next epoch even if this generator is never resumed (see _next_start), and a
                 # resumed state sees an empty rest of this epoch, as StatefulDataLoader expects
                 self._position = b + 1
-            yield ids
+            yield _as_batch(ids)
         if self._epoch == epoch and self._position == self._num_batches:
             self._epoch = epoch + 1
             self._position = 0
