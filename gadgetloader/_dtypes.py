@@ -94,9 +94,16 @@ def as_torch_dtype(dtype: Any) -> torch.dtype:
                 f"{', '.join(dtype_name(d) for d in SUPPORTED_DTYPES)}"
             )
     if result not in _NUMPY_OF:
+        wide = {"torch.uint16": "int32", "torch.uint32": "int64", "torch.uint64": "int64"}
+        hint = (
+            f" (torch cannot index it on every version gadgetloader supports; pass "
+            f"dtype='{wide[str(result)]}' with a tensor source to convert it)"
+            if str(result) in wide
+            else ""
+        )
         raise GadgetTypeError(
-            f"dtype {result} is not supported for a table; expected one of "
-            f"{[dtype_name(d) for d in SUPPORTED_DTYPES]}"
+            f"dtype {result} is not supported for a table{hint}; tables hold "
+            f"{', '.join(dtype_name(d) for d in SUPPORTED_DTYPES)}"
         )
     return result
 

@@ -99,13 +99,21 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
         if arr.dtype.kind not in "iu":
             if arr.size == 0:  # [[]]: an empty (1, 0) id array
                 return torch.empty(arr.shape, dtype=torch.int64)
-            flat = arr.reshape(-1).tolist() if arr.dtype == object else None
             if arr.dtype == object or arr.dtype.kind == "f":
-                items = flat if flat is not None else _flat_items(indexes)
+                # NumPy made floats or objects of integers: mixed NumPy scalar types
+                # (uint64 with int64), or Python ints beyond int64
+                items = _flat_items(indexes)
                 if items and all(
                     isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in items
                 ):
-                    raise GadgetIndexError("ids larger than 2**63-1 cannot address any table")
+                    ints = [int(x) for x in items]
+                    if max(ints) > np.iinfo(np.int64).max:
+                        raise GadgetIndexError("ids larger than 2**63-1 cannot address any table")
+                    if min(ints) < np.iinfo(np.int64).min:
+                        raise GadgetIndexError(
+                            f"id {min(ints)} is negative: ids address rows from 0"
+                        )
+                    return torch.tensor(ints, dtype=torch.int64).reshape(arr.shape)
             raise GadgetTypeError(
                 f"ids must be integers; got a {type(indexes).__name__} holding {arr.dtype} values"
             )

@@ -13,7 +13,7 @@ from . import io as _io
 from ._device import resolve_device
 from ._dtypes import as_torch_dtype, dtype_name, numpy_dtype
 from ._errors import GadgetError, GadgetKeyError, GadgetTypeError, GadgetValueError
-from ._ids import as_ids, start_range_check
+from ._ids import _WIDE_UNSIGNED, as_ids, start_range_check
 from .stores import Store, empty_store
 from .stores._base import gather_many as gather_stores
 from .stores._base import scatter_many as scatter_stores
@@ -208,6 +208,12 @@ class DataGadget:
                 self._source_path, requested, dataset, format, progress, dtype, options
             )
         else:
+            if (
+                dtype is not None
+                and isinstance(fileName, torch.Tensor)
+                and fileName.dtype in _WIDE_UNSIGNED
+            ):
+                fileName = fileName.detach().cpu().numpy()  # torch has few ops for these
             if (
                 isinstance(fileName, np.ndarray)
                 and fileName.dtype.kind == "u"
@@ -637,8 +643,15 @@ class DataGadget:
         self._store.check_open()
         self._store.synchronize()
         backing = getattr(self._store, "path", None) if self.placement == "file" else None
-        over_itself = backing is not None and os.path.realpath(backing) == os.path.realpath(path)
-        if over_itself and dataset is None:
+        same_path = backing is not None and os.path.realpath(backing) == os.path.realpath(path)
+        # the save replaces everything at `path`: the table's own file or array folder too
+        # when it lies there (a zarr array opened as "s.zarr/g/x", saved as "s.zarr")
+        target = os.path.realpath(path)
+        over_itself = same_path or any(
+            os.path.realpath(w) == target or os.path.realpath(w).startswith(target + os.sep)
+            for w in getattr(self._store, "_watch_paths", ())
+        )
+        if same_path and dataset is None:
             # saving over the file this table reads: keep the dataset's name (an HDF5 file or
             # zarr group would otherwise get the format's default name)
             dataset = getattr(self._store, "dataset", None)

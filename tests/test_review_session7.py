@@ -300,3 +300,178 @@ def test_bfloat16_state_dicts_keep_bfloat16(placement, device):
     fresh = gl.OffloadedEmbedding(ROWS, DIM, placement=placement, device=device, dtype="bfloat16")
     fresh.load_state_dict(emb.state_dict())
     assert torch.equal(fresh.weight.as_tensor().cpu(), emb.weight.as_tensor().cpu())
+
+
+# ---- session 7's review of the fixes above -------------------------------------------------------
+def _torch_rprop_warmup(w0, ids, device, steps=3, between=None):
+    emb = _dense(device, w0)
+    opt = torch.optim.Rprop(emb.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=5)
+    for step in range(steps):
+        opt.zero_grad()
+        (emb(ids) ** 2 * (step + 1)).sum().backward()
+        opt.step()
+        sched.step()
+    return _weights(emb)
+
+
+@pytest.mark.parametrize("order", ["model-first", "optimizer-first"])
+def test_switchers_rprop_warmup_after_opt_init_matches_torch(placement, device, order):
+    w0 = _w0()
+    ids = torch.arange(ROWS, device=device)
+    model = nn.ModuleDict({"u": nn.Embedding(1, DIM)}).to(device)
+    opt = torch.optim.Rprop(model.parameters(), lr=0.05)
+    sw = gl.ModelFactory(model["u"], ROWS, DIM, placement=placement, duplicates="merge")
+    sw.table.init_(lambda t: t.copy_(w0.to(t.device)))
+    osw = gl.OptimizerFactory(opt, ROWS, DIM, model, "u", placement=placement)
+    osw.optInit()
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=5)
+    for step in range(3):
+        if order == "model-first":
+            local = sw.beforeForwardPass(ids)
+            osw.beforeForwardPass(ids)
+        else:
+            osw.beforeForwardPass(ids)
+            local = sw.beforeForwardPass(ids)
+        opt.zero_grad()
+        (model["u"](local) ** 2 * (step + 1)).sum().backward()
+        opt.step()
+        sw.afterOptimizerStep(ids)
+        osw.afterOptimizerStep(ids)
+        sched.step()
+    got = torch.from_numpy(sw.table.getNumpyVersion())
+    torch.testing.assert_close(got, _torch_rprop_warmup(w0, ids, device), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("between", ["state_dict", "saved-before-any-step"])
+def test_rprop_warmup_survives_state_dict_calls(placement, device, between):
+    w0 = _w0()
+    ids = torch.arange(ROWS, device=device)
+    emb = _offloaded(placement, device, w0)
+    opt = gl.OffloadedOptimizer(torch.optim.Rprop, emb, lr=0.05)
+    if between == "saved-before-any-step":
+        fresh_sd = opt.state_dict()
+        emb = _offloaded(placement, device, w0)
+        opt = gl.OffloadedOptimizer(torch.optim.Rprop, emb, lr=0.05)
+        opt.load_state_dict(fresh_sd)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=5)
+    for step in range(3):
+        opt.zero_grad()
+        loss = (emb(ids) ** 2 * (step + 1)).sum()
+        if between == "state_dict":
+            opt.state_dict()  # between the forward (states gathered) and the step
+        loss.backward()
+        opt.step()
+        sched.step()
+    torch.testing.assert_close(
+        _weights(emb), _torch_rprop_warmup(w0, ids, device), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_clipping_over_indexed_groups_sees_table_gradients(placement, device):
+    w0 = _w0()
+    ids = torch.tensor([1, 2, 2, 5], device=device)
+    norms, weights = [], []
+    for off in (True, False):
+        emb = _offloaded(placement, device, w0) if off else _dense(device, w0)
+        opt = (
+            gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=0.1)
+            if off
+            else torch.optim.SGD(emb.parameters(), lr=0.1)
+        )
+        (emb(ids) * 3).sum().backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], 0.01)))
+        opt.step()
+        weights.append(_weights(emb))
+    assert norms[0] == pytest.approx(norms[1], rel=1e-6) and norms[0] > 1
+    torch.testing.assert_close(weights[0], weights[1], rtol=1e-6, atol=1e-7)
+
+
+def test_state_dict_between_micro_batches_keeps_accumulating(placement, device):
+    w0 = _w0()
+    got = []
+    for read_between in (True, False):
+        emb = _offloaded(placement, device, w0)
+        opt = gl.OffloadedOptimizer(torch.optim.Adam, emb, lr=0.1)
+        emb(torch.tensor([1, 2], device=device)).sum().backward()
+        if read_between:
+            opt.state_dict()
+            assert opt.param_groups[0]["lr"] == 0.1  # reading the groups merges; fine
+        (emb(torch.tensor([2, 3], device=device)) ** 2).sum().backward()
+        opt.step()
+        got.append(_weights(emb))
+    torch.testing.assert_close(got[0], got[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["state_dict", "checkpoint"])
+def test_momentum_table_from_a_scheduler_loads_before_the_scheduler(
+    tmp_path, placement, device, how
+):
+    """Saved after OneCycleLR turned momentum on; loaded into a fresh optimizer (momentum 0,
+    no momentum table) before its scheduler is rebuilt: as plain torch, the same sequence."""
+    w0 = _w0()
+    ids = torch.arange(ROWS, device=device).repeat(2)  # every row: lazy == dense
+
+    def run(off):
+        def build():
+            emb = _offloaded(placement, device, w0) if off else _dense(device, w0)
+            opt = (
+                gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=0.1)
+                if off
+                else torch.optim.SGD(emb.parameters(), lr=0.1)
+            )
+            return emb, opt
+
+        def train(emb, opt, sched, steps):
+            for step in range(steps):
+                opt.zero_grad()
+                (emb(ids) ** 2 * (step + 1)).sum().backward()
+                opt.step()
+                sched.step()
+
+        emb, opt = build()
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+        train(emb, opt, sched, 2)
+        emb2, opt2 = build()
+        if how == "checkpoint" and off:
+            save_checkpoint(tmp_path / "ck", {"model": emb, "opt": opt})
+            load_checkpoint(tmp_path / "ck", {"model": emb2, "opt": opt2})
+        else:
+            emb2.load_state_dict(emb.state_dict())
+            opt2.load_state_dict(opt.state_dict())
+        if off:
+            assert "momentum_buffer" in opt2.pagers[0].tables
+        sched2 = torch.optim.lr_scheduler.OneCycleLR(opt2, max_lr=0.1, total_steps=10)
+        sched2.load_state_dict(sched.state_dict())
+        train(emb2, opt2, sched2, 2)
+        return _weights(emb2)
+
+    torch.testing.assert_close(run(True), run(False), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_sgd_with_momentum_from_a_scheduler(placement, device):
+    w0 = _w0()
+    ids = torch.arange(ROWS, device=device)
+    got = []
+    for off in (True, False):
+        emb = _offloaded(placement, device, w0) if off else _dense(device, w0)
+        torch.manual_seed(0)
+        head = nn.Linear(DIM, 1).to(device)
+        model = nn.ModuleDict({"emb": emb, "head": head})
+        try:
+            opt = (
+                gl.OffloadedOptimizer(torch.optim.SGD, model, lr=0.1, fused=True)
+                if off
+                else torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+            )
+        except (RuntimeError, ValueError) as exc:  # no fused SGD on this device / torch
+            pytest.skip(f"fused SGD unavailable: {exc}")
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+        for _ in range(3):
+            opt.zero_grad()
+            head(emb(ids)).sum().backward()
+            opt.step()
+            sched.step()
+        got.append((_weights(emb), head.weight.detach().cpu().clone()))
+    torch.testing.assert_close(got[0][0], got[1][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[0][1], got[1][1], rtol=1e-5, atol=1e-6)

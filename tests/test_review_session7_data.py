@@ -133,3 +133,22 @@ def test_negative_single_index_counts_from_the_end(placement, device):
         ds[-41]
     with pytest.raises(gl.GadgetIndexError, match="negative"):
         ds[[-1]]
+
+
+def test_sampler_batches_copy_and_save_as_plain_tensors(tmp_path):
+    import copy
+
+    ds = GadgetDataset(torch.arange(100, dtype=torch.float32), placement="cpu", device="cpu")
+    batch = next(iter(GadgetSampler(ds, batch_size=8, seed=2)))
+    dup = copy.deepcopy(batch)
+    assert type(dup) is torch.Tensor and torch.equal(dup, batch)
+    torch.save({"ids": batch}, tmp_path / "b.pt")
+    back = torch.load(tmp_path / "b.pt", weights_only=True)["ids"]
+    assert type(back) is torch.Tensor and torch.equal(back, batch)
+
+
+def test_sampler_as_sampler_with_workers_is_refused():
+    ds, _ = _ds("cpu", "cpu")
+    loader = DataLoader(ds, sampler=GadgetSampler(ds, batch_size=4), num_workers=1)
+    with pytest.raises(gl.GadgetValueError, match="batch_size=None"):
+        next(iter(loader))

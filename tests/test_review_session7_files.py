@@ -194,3 +194,48 @@ def test_dataset_default_path_refuses_bools():
     with pytest.raises(gl.GadgetTypeError, match="bools"):
         ds.__getitems__([1, True, False])
     assert ds.__getitems__([3, 4])[0][0].tolist() == [3.0, 4.0]
+
+
+def test_external_link_table_watches_the_linked_file_and_is_read_only(tmp_path):
+    main, other = str(tmp_path / "main.h5"), str(tmp_path / "other.h5")
+    with h5py.File(other, "w") as f:
+        f["x"] = np.zeros((10, 2), np.float32)
+    with h5py.File(main, "w") as f:
+        f["ext"] = h5py.ExternalLink("other.h5", "/x")
+    a = _open(main, "file", dataset="ext")
+    assert a.getData([0]).sum() == 0
+    with pytest.raises(gl.ReadOnlyError, match="external link"):
+        a.insertData(torch.ones(1, 2), [1])
+    gl.DataGadget(np.full((10, 2), 5, np.float32), placement="cpu").save(other, dataset="x")
+    with pytest.raises(gl.GadgetFileError, match="replaced"):
+        a.getData([3])
+    with h5py.File(other, "r") as f:
+        np.testing.assert_array_equal(f["x"][:], np.full((10, 2), 5, np.float32))
+
+
+def test_saving_over_its_own_zarr_array_spelled_as_its_group(tmp_path):
+    p = str(tmp_path / "s.zarr")
+    gl.DataGadget(np.zeros((10, 2), np.float32), placement="cpu").save(p, dataset="g/x")
+    b = _open(os.path.join(p, "g", "x"), "file")
+    b.fill_(1.0)
+    b.save(p, dataset="g/x")
+    np.testing.assert_array_equal(b.getData([0, 9]).numpy(), np.ones((2, 2), np.float32))
+    np.testing.assert_array_equal(zarr.open_array(os.path.join(p, "g", "x"))[:], np.ones((10, 2)))
+
+
+@pytest.mark.skipif(not hasattr(torch, "uint32"), reason="torch < 2.3 has no uint32")
+def test_unsigned_tensors_convert_with_dtype():
+    t = torch.tensor([[1, 4_000_000_000]], dtype=torch.uint32)
+    g = gl.DataGadget(t, dtype="int64", placement="cpu", device="cpu")
+    assert g.as_tensor().tolist() == [[1, 4_000_000_000]]
+    with pytest.raises(gl.GadgetTypeError, match="dtype='int64'"):
+        gl.DataGadget(t, placement="cpu")
+
+
+def test_mixed_numpy_scalar_ids_are_ids():
+    g = gl.DataGadget(np.arange(20, dtype=np.float32).reshape(10, 2), placement="cpu", device="cpu")
+    np.testing.assert_array_equal(
+        g.getData([np.uint64(3), np.int64(5)]).numpy(), g.getData([3, 5]).numpy()
+    )
+    with pytest.raises(gl.GadgetIndexError, match="negative"):
+        g.getData([np.uint64(3), -1])

@@ -370,9 +370,14 @@ class GadgetDataset(Dataset[Any]):
         bools included, takes the general path, which refuses bools) and range-checked
         once, skipping the general id conversion.
         """
-        if type(indices) is list and indices and type(indices[0]) is SamplerIds:
+        if (
+            type(indices) is list
+            and indices
+            and isinstance(indices[0], torch.Tensor)
+            and indices[0].dim() >= 1
+        ):  # (in a worker process a sampler's batches arrive as plain tensors)
             raise GadgetValueError(
-                "DataLoader handed this dataset a list of GadgetSampler batches: a GadgetSampler "
+                "DataLoader handed this dataset a list of id batches (a GadgetSampler's?): a GadgetSampler "
                 "yields whole batches, so pass it as DataLoader(ds, batch_sampler=sampler) or "
                 "DataLoader(ds, sampler=sampler, batch_size=None)"
             )

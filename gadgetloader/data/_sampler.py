@@ -70,12 +70,13 @@ class SamplerIds(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        arr = self.detach().cpu().numpy()  # a plain tensor: see __torch_function__
-        return (_ids_from_bytes, (arr.tobytes(), tuple(arr.shape), str(arr.dtype)))
+        # a plain tensor of just these ids (clone() of a subclass with torch functions
+        # disabled is a plain tensor): torch.save / weights_only loads and worker queues
+        # see an ordinary tensor
+        return self.clone().__reduce_ex__(protocol)
 
-
-def _ids_from_bytes(data: bytes, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(bytearray(data), dtype=dtype).reshape(shape))
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        return self.clone()
 
 
 def _as_batch(ids: torch.Tensor) -> SamplerIds:

@@ -268,10 +268,15 @@ class Hdf5Source(ArraySource):
                     f"{self.path} has no dataset {dataset!r}; datasets in the file: {names}"
                 )
             home = os.path.realpath(obj.file.filename)
-            if home == os.path.realpath(self.path):
+            #: reached through an external link: the rows live in another file, which is
+            #: watched too; such a table is read-only (the other file may be open elsewhere
+            #: in this process under its own name, and HDF5 opens it once per process)
+            self.external = home != os.path.realpath(self.path)
+            if not self.external:
                 self.dataset = obj.name.lstrip("/")
-            else:  # reached through an external link: its name is the other file's
+            else:  # its name is the other file's: keep the link's
                 self.dataset = dataset.strip("/")
+            self.watch_paths = (self.path, home) if self.external else (self.path,)
             #: the dataset object itself (file and header address): soft links and other
             #: spellings of one dataset share caches and locks
             info = h5py.h5o.get_info(obj.id)
@@ -297,6 +302,10 @@ class Hdf5Source(ArraySource):
             raise
 
     # ---- handles ----------------------------------------------------------------------
+    def writes_in_place(self) -> bool:
+        """Rows of a dataset behind an external link are not written in place."""
+        return bool(self.supports_writes) and not getattr(self, "external", False)
+
     def _open_file(self, h5py: ModuleType | None = None) -> Any:
         h5py = h5py or import_h5py()
         pid = os.getpid()

@@ -211,8 +211,9 @@ class ZarrSource(ArraySource):
         #: the array's own folder: one array has one identity however it was named
         #: (``"s.zarr"`` + ``dataset="g/x"`` or ``"s.zarr/g/x"``), and a save that replaces
         #: it replaces this folder
-        self.watch_path = os.path.join(self.path, dataset) if dataset else self.path
-        self.identity: tuple[Any, ...] = ("zarr", os.path.realpath(self.watch_path))
+        folder = os.path.join(self.path, dataset) if dataset else self.path
+        self.watch_paths = (folder,)
+        self.identity: tuple[Any, ...] = ("zarr", os.path.realpath(folder))
         where = f"{self.path}[{dataset!r}]" if dataset else self.path
         self.dtype = table_dtype(
             np.dtype(arr.dtype), arr.attrs.get(DTYPE_ATTR) == "bfloat16", where

@@ -84,6 +84,11 @@ _ELEMENTWISE: tuple[Any, ...] = (
 )
 
 
+def _file_id(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino)
+
+
 class FileStore(Store):
     """A table read from (and written through to) its file on demand.
 
@@ -177,20 +182,27 @@ class FileStore(Store):
         if writable and not can_write:
             raise ReadOnlyError(
                 f"writable=True but {self._path} cannot be written (no write permission, or the "
-                f"{self._format} file cannot be written in place: e.g. a Fortran-ordered .npy)"
+                f"{self._format} file cannot be written in place: e.g. a Fortran-ordered .npy, "
+                "or an HDF5 dataset behind an external link)"
             )
         self._writable = bool(can_write if writable is None else writable)
+        #: an HDF5 dataset behind an external link (read-only, see the HDF5 source)
+        self._external = bool(getattr(source, "external", False))
         #: what the file lock and cache invalidation are keyed by: the array itself (a
         #: source's ``identity``: one HDF5 dataset or zarr array under any name)
         self._key = getattr(source, "identity", None) or (
             os.path.realpath(self._path),
             self._dataset,
         )
-        #: the path whose file (or folder) must stay the one opened: a zarr array's folder
-        self._watch_path = os.path.abspath(getattr(source, "watch_path", None) or self._path)
-        st = os.stat(self._watch_path)
-        #: the file this store opened: (device, inode), and a .npy's size (fixed by its header)
-        self._ident = (st.st_dev, st.st_ino)
+        #: the paths whose files (or folders) must stay the ones opened: a zarr array's
+        #: folder; an HDF5 file, and the file an external link leads to
+        self._watch_paths = tuple(
+            os.path.abspath(p) for p in (getattr(source, "watch_paths", None) or (self._path,))
+        )
+        #: the files this store opened: (device, inode) each, and a .npy's size (fixed by
+        #: its header)
+        self._ident = tuple(_file_id(p) for p in self._watch_paths)
+        st = os.stat(self._watch_paths[0])
         self._size0 = st.st_size if self._format == "npy" else None
         self._reset_process_state()
         self._watch()
@@ -219,16 +231,20 @@ class FileStore(Store):
             yield
 
     def _check_file(self) -> None:
+        for path, ident in zip(self._watch_paths, self._ident, strict=True):
+            self._check_one(path, ident)
+
+    def _check_one(self, path: str, ident: tuple[int, int]) -> None:
         try:
-            st = os.stat(self._watch_path)
+            st = os.stat(path)
         except OSError as exc:
             raise GadgetFileError(
-                f"{self._watch_path} is gone ({exc.strerror}); this file-backed table cannot read or "
+                f"{path} is gone ({exc.strerror}); this file-backed table cannot read or "
                 "write it any more"
             ) from exc
-        if (st.st_dev, st.st_ino) != self._ident:
+        if (st.st_dev, st.st_ino) != ident:
             raise GadgetFileError(
-                f"{self._watch_path} was replaced on disk since this table opened it (by a save or "
+                f"{path} was replaced on disk since this table opened it (by a save or "
                 "another program); open the new file with a new DataGadget (or call load()) "
                 "instead of mixing rows of two files"
             )
@@ -241,10 +257,9 @@ class FileStore(Store):
     def file_replaced(self) -> bool:
         """Whether the path now names another file than the one this store opened."""
         try:
-            st = os.stat(self._watch_path)
+            return tuple(_file_id(p) for p in self._watch_paths) != self._ident
         except OSError:
             return True
-        return (st.st_dev, st.st_ino) != self._ident
 
     def _drop_others(self) -> None:
         """After a write: other tables of this file in this process forget cached blocks."""
@@ -293,6 +308,12 @@ class FileStore(Store):
 
     def check_writable(self) -> None:
         self.check_open()
+        if not self._writable and self._external:
+            raise ReadOnlyError(
+                f"this file-backed table is read-only: its rows ({self._path}[{self._dataset!r}]) "
+                "live in another file, reached through an HDF5 external link; open that file "
+                "directly to write, or load the table into memory"
+            )
         if not self._writable:
             raise ReadOnlyError(
                 f"this file-backed table is read-only: {self._path} ({self._format}) was opened "

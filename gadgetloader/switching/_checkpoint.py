@@ -190,6 +190,30 @@ def _remove(path: str) -> None:
         pass
 
 
+def _pager_for(obj: Any, tname: str) -> tuple[Any, str] | None:
+    """(pager, state key) a checkpoint table name of an optimizer object would belong to."""
+    if isinstance(obj, OptimizerSwitch):
+        return obj._need_pager(), tname
+    if isinstance(obj, OffloadedOptimizer):
+        index, _, key = tname.partition(".")
+        if index.isdigit() and int(index) < len(obj.pagers) and key:
+            return obj.pagers[int(index)], key
+    return None
+
+
+def _check_shape(shape: tuple[int, ...], path: str, fmt: str) -> None:
+    """Refuse a state-table file that is missing, unreadable or of another shape."""
+    src = _io.open_source(path, format=fmt)
+    try:
+        got, dtype = tuple(src.shape), src.dtype
+    finally:
+        src.close()
+    if got != shape or not dtype.is_floating_point:
+        raise GadgetValueError(
+            f"{path} holds a {got} {dtype_name(dtype)} table; expected a {shape} floating-point one"
+        )
+
+
 def _check_table(table: DataGadget, path: str, fmt: str) -> None:
     """Refuse a table file that is missing, unreadable or of another shape or dtype."""
     src = _io.open_source(path, format=fmt)
@@ -273,7 +297,19 @@ def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any
             )
         entry = saved_objects[name]
         kind, tables, _ = _parts(obj)
-        if kind != entry["kind"] or set(tables) != set(entry["tables"]):
+        # an optimizer's checkpoint may hold state its hyper-parameters have not turned on
+        # yet (a scheduler's momentum): those tables are added once everything is checked
+        found = {
+            t: _pager_for(obj, t)
+            for t in set(entry["tables"]) - set(tables)
+            if kind in ("offloaded_optimizer", "optimizer_switch")
+        }
+        extra = {t: v for t, v in found.items() if v is not None}
+        if (
+            kind != entry["kind"]
+            or not set(tables) <= set(entry["tables"])
+            or len(extra) != len(set(entry["tables"]) - set(tables))
+        ):
             raise GadgetValueError(
                 f"checkpoint object {name!r} is a {entry['kind']} with tables {sorted(entry['tables'])}; "
                 f"got a {kind} with tables {sorted(tables)}"
@@ -287,9 +323,18 @@ def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any
             _check_optimizer(name, obj.inner, meta["inner"])
         files = {t: os.path.join(d, f) for t, f in entry["tables"].items()}
         for tname, path in files.items():
-            _check_table(tables[tname], path, fmt)
-        plan.append((obj, kind, tables, meta, files))
-    for obj, kind, tables, meta, files in plan:
+            if tname in extra:
+                pager, key = extra[tname]
+                _check_shape(pager.table_shape(), path, fmt)
+            else:
+                _check_table(tables[tname], path, fmt)
+        plan.append((obj, kind, tables, meta, files, extra))
+    for obj, kind, tables, meta, files, extra in plan:
+        for tname, (pager, key) in extra.items():
+            first = next(iter(pager.tables.values()), None)
+            tables[tname] = pager.add_row_key(
+                key, first.dtype if first is not None else pager.param.dtype
+            )
         if kind == "module":
             _embedding._EXTERNAL_TABLES.append(True)
             try:
@@ -306,4 +351,4 @@ def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any
             obj._need_pager().set_scalar_state(meta["scalars"])
         elif kind == "offloaded_optimizer":
             for pager in obj.pagers:
-                pager.fresh = False
+                pager.mark_loaded()

@@ -146,8 +146,11 @@ class _OffloadedTable(nn.Module):
         #: the optimizer-state tables interleaved with the table (set by OffloadedOptimizer):
         #: a training forward then gathers each row's states with it, in the same wide read
         self._state_stores: list[Any] | None = None
-        #: states gathered by a forward, by id() of its rows tensor, until the step
-        self._forward_states: dict[int, list[torch.Tensor]] = {}
+        #: states gathered by a forward, by id() of its rows tensor, until the step, with the
+        #: state pager's generation then (a refill since makes them stale)
+        self._forward_states: dict[int, tuple[list[torch.Tensor], int]] = {}
+        #: the optimizer's state pager of this table (set by OffloadedOptimizer)
+        self._state_pager: Any = None
         #: the states of this step's rows when one forward gathered them all
         self._prefetched: list[torch.Tensor] | None = None
         #: (device, prepared transfer) of the stores a training lookup gathers
@@ -263,7 +266,8 @@ class _OffloadedTable(nn.Module):
             rows.requires_grad_(True)
             self._pending.append((plan, rows))
             if states:
-                self._forward_states[id(rows)] = states
+                gen = self._state_pager.generation if self._state_pager is not None else 0
+                self._forward_states[id(rows)] = (states, gen)
         elif finish is not None:
             finish()
         return plan.local.view(ids.shape), rows, plan
@@ -300,8 +304,11 @@ class _OffloadedTable(nn.Module):
         if len(pending) == 1:
             plan, rows = pending[0]
             # one forward gathered exactly this step's rows: its state rows are current
-            # (nothing writes a table's state between its forward and its step)
-            _set(self, "_prefetched", forward_states.get(id(rows)))
+            # unless the state tables were refilled or grew since (see StatePager.follow_hyper)
+            got = forward_states.get(id(rows))
+            pager = self._state_pager
+            if got is not None and (pager is None or got[1] == pager.generation):
+                _set(self, "_prefetched", got[0])
             data, grad = rows.detach(), rows.grad
         else:
             # several lookups this step: merge their rows (their counts read back)
@@ -336,6 +343,20 @@ class _OffloadedTable(nn.Module):
             param.grad = grad
         return plan
 
+    def _requeue_merged(self, plan: RowPlan) -> None:
+        """Put the per-step parameter's merged rows and gradient back among the pending
+        lookups (first, so gradients still add up in backward order)."""
+        param = self._slot.param
+        grad = param.grad
+        if grad is None:
+            return
+        if grad.is_sparse:
+            grad = grad.to_dense()
+        leaf = param.data.detach().requires_grad_(True)
+        leaf.grad = grad
+        self._pending.insert(0, (plan, leaf))
+        param.grad = None
+
     def _check_retired(self) -> None:
         """Raise if a lookup made before the last step got its gradient after that step."""
         if self._retired and any(rows.grad is not None for rows in self._retired):
@@ -361,6 +382,7 @@ class _OffloadedTable(nn.Module):
         """Forget the optimizer this table belonged to (it is gone): a new one may attach."""
         _set(self, "_attached", False)
         _set(self, "_state_stores", None)
+        _set(self, "_state_pager", None)
         _set(self, "_fused", None)
         self._drop_step()
         self._retired.clear()
@@ -641,18 +663,25 @@ def _detach(refs: list[Any]) -> None:
 
 
 class _Groups(list):  # type: ignore[type-arg]
-    """An :class:`OffloadedOptimizer`'s ``param_groups``: walking it after a backward first
-    merges the offloaded tables' pending row gradients into their per-step parameters, so
-    whatever walks the groups (``GradScaler.unscale_`` / ``step``, gradient clipping over
-    ``param_groups``) sees, unscales and checks them like any other gradient."""
+    """An :class:`OffloadedOptimizer`'s ``param_groups``: walking or indexing it after a
+    backward first merges the offloaded tables' pending row gradients into their per-step
+    parameters, so whatever reads the groups (``GradScaler.unscale_`` / ``step``, gradient
+    clipping over ``param_groups``) sees, unscales and checks them like any other gradient."""
 
     _owner: Any = None
 
-    def __iter__(self) -> Any:
+    def _merge(self) -> None:
         opt = self._owner() if self._owner is not None else None
         if opt is not None:
             opt._auto_prepare()
+
+    def __iter__(self) -> Any:
+        self._merge()
         return super().__iter__()
+
+    def __getitem__(self, index: Any) -> Any:  # opt.param_groups[0]["params"] too
+        self._merge()
+        return super().__getitem__(index)
 
 
 def _collect(
@@ -833,6 +862,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             m._state_stores = (
                 [t.store for t in pager.tables.values()] if pager.interleaved else None
             )
+            m._state_pager = pager
         # when this optimizer is gone, its tables may get a new one (a later phase of
         # training, a fine-tune): they keep their rows, the new optimizer starts fresh state
         weakref.finalize(self, _detach, [weakref.ref(m) for m in tables])
@@ -856,13 +886,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def prepare_grads(self) -> None:
         """Merge each offloaded table's row gradients into its per-step parameter now.
 
-        ``step()`` does this itself, and so does walking ``param_groups`` after a backward
-        (``for g in opt.param_groups``: ``GradScaler.unscale_`` / ``GradScaler.step``,
-        gradient clipping over ``[p for g in opt.param_groups for p in g["params"]]``), so
-        those see, unscale and check the tables' gradients like any other. Gradients are
-        merged once per step: a backward after the merge (gradient accumulation with the
-        groups walked between micro-batches) raises
-        :class:`~gadgetloader.GadgetValueError` at the next merge.
+        ``step()`` does this itself, and so does reading ``param_groups`` (iterating or
+        indexing) after a backward (``GradScaler.unscale_`` / ``GradScaler.step``, gradient
+        clipping over ``[p for g in opt.param_groups for p in g["params"]]``), so those see,
+        unscale and check the tables' gradients like any other. A backward after a merge
+        (gradient accumulation with the groups read between micro-batches) is merged in
+        at the next merge: the sums equal accumulating first.
         """
         _set(self, "_preparing", True)
         try:
@@ -885,12 +914,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 plans.append(before)
                 continue
             if before is not None:
-                raise GadgetValueError(
-                    "backward ran again after this step's table gradients were merged (by "
-                    "prepare_grads(), or by walking opt.param_groups: GradScaler, clipping, "
-                    "setting lr); accumulate every micro-batch first, then merge once, right "
-                    "before the step"
-                )
+                # backward ran again after a merge (gradient accumulation with the groups
+                # read in between): the merged rows and gradients join as one more lookup
+                m._requeue_merged(before)
             plans.append(m._take_step_rows(self._sparse))
         self._prepared = plans
 
@@ -955,14 +981,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         remaining tensor copied (torch's own state_dict aliases live state)."""
         _set(self, "_preparing", True)  # saving state must not merge this step's grads
         try:
-            sd = self.inner.state_dict()
+            return self._inner_state_quiet()
         finally:
             _set(self, "_preparing", False)
+
+    def _inner_state_quiet(self) -> dict[str, Any]:
+        sd = self.inner.state_dict()
         row_keys = {
             id(m._slot.param): pager.row_keys
             for m, pager in zip(self.tables, self.pagers, strict=True)
         }
-        flat = [p for group in self.inner.param_groups for p in group["params"]]
+        flat = [p for group in list.__iter__(self.inner.param_groups) for p in group["params"]]
         state: dict[Any, Any] = {}
         for index, entry in sd["state"].items():
             drop = (
@@ -1002,32 +1031,41 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             pager.follow_hyper()  # state a scheduler turned on since construction has its table
         writes = []
         for pager, tables in zip(self.pagers, state_dict["tables"], strict=True):
-            if not isinstance(tables, dict) or set(tables) != set(pager.tables):
+            # the state dict may hold more state than this optimizer has turned on yet (a
+            # scheduler's momentum): torch keeps such state, so it gets its table
+            if not isinstance(tables, dict) or not set(pager.tables) <= set(tables):
                 got = sorted(tables) if isinstance(tables, dict) else type(tables).__name__
                 raise GadgetValueError(
                     f"state tables {got} do not match this optimizer's {sorted(pager.tables)}"
                 )
+            first = next(iter(pager.tables.values()), None)
             for key, t in tables.items():
-                table = pager.tables[key]
+                table = pager.tables.get(key)
                 if not isinstance(t, torch.Tensor):
                     raise GadgetTypeError(
                         f"state table {key!r}: expected a tensor, got {type(t).__name__}"
                     )
-                if tuple(t.shape) != table.shape:
+                shape = table.shape if table is not None else pager.table_shape()
+                if tuple(t.shape) != shape:
                     raise GadgetValueError(
-                        f"state table {key!r}: expected shape {table.shape}, got {tuple(t.shape)}"
+                        f"state table {key!r}: expected shape {shape}, got {tuple(t.shape)}"
                     )
-                if not (t.is_floating_point() or t.dtype == table.dtype):
+                if not (t.is_floating_point() or (table is not None and t.dtype == table.dtype)):
                     raise GadgetTypeError(
                         f"state table {key!r}: expected a floating-point tensor, got {t.dtype}"
                     )
-                writes.append((table, t))
+                writes.append((pager, key, t, first))
         self._load_inner(state_dict["inner"])
-        for table, t in writes:
+        for pager, key, t, first in writes:
+            table = pager.tables.get(key)
+            if table is None:
+                table = pager.add_row_key(
+                    key, first.dtype if first is not None else pager.param.dtype
+                )
             table.store.write_block(0, t.to(table.dtype))
             table.store.synchronize()
         for pager in self.pagers:
-            pager.fresh = False
+            pager.mark_loaded()
 
     def _load_inner(self, sd: dict[str, Any]) -> None:
         self.inner.load_state_dict(sd)
@@ -1047,4 +1085,3 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if self._preparing or not any(m._has_pending_grads() for m in self.tables):
             return
         self.prepare_grads()
-        self.param_groups = self.inner.param_groups

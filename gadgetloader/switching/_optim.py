@@ -127,8 +127,16 @@ class _RecordingDict(dict):  # type: ignore[type-arg]
         super().__setitem__(key, value)
 
 
+def _quiet_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's param groups, read without side effects (an
+    :class:`~gadgetloader.OffloadedOptimizer`'s groups merge pending table gradients when
+    user code reads them; this module's own reads must not)."""
+    groups = optimizer.param_groups
+    return list(list.__iter__(groups)) if isinstance(groups, list) else list(groups)
+
+
 def _group_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any]:
-    for group in optimizer.param_groups:
+    for group in _quiet_groups(optimizer):
         if any(p is param for p in group["params"]):
             return group
     raise GadgetKeyError(
@@ -388,9 +396,8 @@ class StatePager:
 
     def _current_group(self) -> dict[str, Any]:
         """The parameter's group (found again after ``load_state_dict`` rebuilt the groups)."""
-        groups = self.optimizer.param_groups
-        for i in range(len(groups)):  # by index: iterating may have side effects
-            if groups[i] is self._group:
+        for group in _quiet_groups(self.optimizer):
+            if group is self._group:
                 return self._group
         self._group = _group_of(self.optimizer, self.param)
         return self._group
@@ -428,10 +435,51 @@ class StatePager:
                 state[key] = _snapshot(value)
             init_scalars[key] = value
         self.layout = StateLayout(row_keys, init_rows, init_scalars, layout.sparse_grad)
+        self._fused_momentum = _fused_sgd_momentum(self.optimizer)
         if changed:
             self._fused = None
             self.layout_version += 1
+            self.generation += 1  # state rows gathered before this are stale
         return changed
+
+    def table_shape(self) -> tuple[int, ...]:
+        """The shape of every state table: ``(rows, *row shape)``."""
+        return (self._num_rows, *tuple(self.param.shape[1:]))
+
+    def add_row_key(self, key: str, dtype: torch.dtype) -> DataGadget:
+        """A new zero-filled state table for ``key`` (a state dict or checkpoint holds state
+        that this optimizer's hyper-parameters have not turned on yet, e.g. a scheduler's
+        momentum): torch would keep it, so it is paged from now on."""
+        row_shape = tuple(self.param.shape[1:])
+        table = DataGadget(
+            shape=(self._num_rows, *row_shape),
+            dtype=dtype,
+            placement=self._placement,
+            device=self.param.device,
+        )
+        table.fill_(0.0)
+        self.tables[key] = table
+        init = torch.zeros((1, *row_shape), dtype=dtype)
+        self.layout = StateLayout(
+            self.layout.row_keys + (key,),
+            {**self.layout.init_rows, key: init},
+            self.layout.init_scalars,
+            self.layout.sparse_grad,
+        )
+        self._zero_init[key] = True
+        self._fused = None
+        self.layout_version += 1
+        self.generation += 1
+        return table
+
+    def mark_loaded(self) -> None:
+        """After state was loaded: fresh only if it is a never-stepped state (a ``step``
+        of 0), whose tables may still be refilled from the first step's hyper-parameters."""
+        step = self.optimizer.state.get(self.param, {}).get("step")
+        try:
+            self.fresh = step is not None and float(step) == 0.0
+        except (TypeError, ValueError):
+            self.fresh = False
 
     def load(
         self,
@@ -553,7 +601,6 @@ class StatePager:
 
     def set_scalar_state(self, values: dict[str, Any]) -> None:
         """Restore scalar entries, keeping torch's types, devices and in-place identity."""
-        self.fresh = False
         state = self.optimizer.state[self.param]
         for key, value in values.items():
             cur = state.get(key)
@@ -565,11 +612,12 @@ class StatePager:
                     if not isinstance(cur, torch.Tensor)
                     else torch.as_tensor(value, dtype=cur.dtype, device=cur.device)
                 )
+        self.mark_loaded()
 
 
 def _fused_sgd_momentum(optimizer: torch.optim.Optimizer) -> bool:
     return supported_name(optimizer) == "SGD" and any(
-        g.get("fused") and g.get("momentum", 0) != 0 for g in optimizer.param_groups
+        g.get("fused") and g.get("momentum", 0) != 0 for g in _quiet_groups(optimizer)
     )
 
 
@@ -587,7 +635,7 @@ def align_fused_sgd(optimizer: torch.optim.Optimizer) -> None:
         A fused SGD group with ``dampening`` != 0 holds parameters without a buffer.
     """
     state = optimizer.state
-    for group in optimizer.param_groups:
+    for group in _quiet_groups(optimizer):
         if not group.get("fused") or group.get("momentum", 0) == 0:
             continue
         missing = [p for p in group["params"] if state.get(p, {}).get("momentum_buffer") is None]
