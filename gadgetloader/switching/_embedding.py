@@ -1082,6 +1082,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.param_groups = groups
 
     def _auto_prepare(self) -> None:
-        if self._preparing or not any(m._has_pending_grads() for m in self.tables):
+        if self._preparing:
             return
-        self.prepare_grads()
+        for m in self.tables:
+            if m._pending and m._has_pending_grads():
+                self.prepare_grads()
+                return

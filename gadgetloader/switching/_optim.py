@@ -316,6 +316,8 @@ class StatePager:
         self._group = _group_of(optimizer, param)
         self._hyper = _hyper_key(self._group, exact=True)
         self._hyper_on = _hyper_key(self._group, exact=False)
+        #: the group's values as last seen (compared by identity: a cheap first test)
+        self._raw: tuple[Any, ...] = tuple(self._group.values())
         #: True until the state is first written back or loaded: the tables still hold a
         #: fresh row's state and may be refilled from the first step's hyper-parameters
         self.fresh = True
@@ -382,6 +384,11 @@ class StatePager:
         rows). Returns whether the tables changed.
         """
         group = self._current_group()
+        raw = tuple(group.values())
+        last = self._raw
+        if len(raw) == len(last) and all(a is b for a, b in zip(raw, last, strict=True)):
+            return False  # the very same values as last time (no scheduler, no user change)
+        self._raw = raw
         if self.fresh:
             key = _hyper_key(group, exact=True)
             if key == self._hyper:
