@@ -475,3 +475,128 @@ def test_fused_sgd_with_momentum_from_a_scheduler(placement, device):
         got.append((_weights(emb), head.weight.detach().cpu().clone()))
     torch.testing.assert_close(got[0][0], got[1][0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[0][1], got[1][1], rtol=1e-5, atol=1e-6)
+
+
+# ---- session 7's second review of the fixes ---------------------------------------------------
+def test_tensor_hyper_parameters_changed_in_place_are_followed(placement, device):
+    w0 = _w0()
+    ids = torch.arange(ROWS, device=device)
+    out = []
+    for off in (True, False):  # Rprop, tensor lr lowered in place before the first step
+        emb = _offloaded(placement, device, w0) if off else _dense(device, w0)
+        kw = {"lr": torch.tensor(0.05)}
+        opt = (
+            gl.OffloadedOptimizer(torch.optim.Rprop, emb, **kw)
+            if off
+            else torch.optim.Rprop(emb.parameters(), **kw)
+        )
+        opt.param_groups[0]["lr"].fill_(0.01)
+        for _ in range(2):
+            opt.zero_grad()
+            (emb(ids) ** 2).sum().backward()
+            opt.step()
+        out.append(_weights(emb))
+    torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-6)
+    out = []
+    for as_tensor in (False, True):  # SGD momentum 0 -> 0.9, as a float or a tensor in place
+        emb = _offloaded(placement, device, w0)
+        momentum = torch.tensor(0.0) if as_tensor else 0.0
+        opt = gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=0.1, momentum=momentum)
+        for step, batch in enumerate(([0, 1, 2], [3, 4, 5], [0, 1, 2])):
+            if step == 1:
+                if as_tensor:
+                    opt.param_groups[0]["momentum"].fill_(0.9)
+                else:
+                    opt.param_groups[0]["momentum"] = 0.9
+            opt.zero_grad()
+            (emb(torch.tensor(batch, device=device)) ** 2).sum().backward()
+            opt.step()
+        assert "momentum_buffer" in opt.pagers[0].tables
+        out.append(_weights(emb))
+    assert torch.equal(out[0], out[1])
+
+
+def test_a_read_before_a_refill_does_not_keep_stale_state_rows(placement, device):
+    w0 = _w0()
+    ids = torch.arange(ROWS, device=device)
+    emb = _offloaded(placement, device, w0)
+    opt = gl.OffloadedOptimizer(torch.optim.Rprop, emb, lr=0.05)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=5)
+    for step in range(3):
+        opt.zero_grad()
+        (emb(ids) ** 2 * (step + 1)).sum().backward()
+        assert opt.param_groups[0]["lr"] > 0  # a read merges the gradients
+        opt.state_dict()  # refills the fresh state tables from the warmed-up lr
+        opt.step()
+        sched.step()
+    torch.testing.assert_close(
+        _weights(emb), _torch_rprop_warmup(w0, ids, device), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("read_between", [False, True])
+def test_a_second_backward_through_merged_lookups_counts(placement, device, read_between):
+    w0 = _w0()
+    got = []
+    for off in (True, False):
+        emb = _offloaded(placement, device, w0) if off else _dense(device, w0)
+        opt = (
+            gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=0.1)
+            if off
+            else torch.optim.SGD(emb.parameters(), lr=0.1)
+        )
+        opt.zero_grad()
+        out = (
+            emb(torch.tensor([0, 1, 2], device=device))
+            + emb(torch.tensor([2, 3], device=device))[:1]
+        )
+        (out**2).sum().backward(retain_graph=True)
+        if read_between:
+            assert opt.param_groups[0]["lr"] == 0.1
+        (out * 3).sum().backward()
+        opt.step()
+        got.append(_weights(emb))
+    torch.testing.assert_close(got[0], got[1], rtol=1e-5, atol=1e-6)
+
+
+def test_state_of_another_optimizer_or_unknown_tables_is_refused(tmp_path, placement, device):
+    emb = gl.OffloadedEmbedding(ROWS, DIM, placement=placement, device=device)
+    adam = gl.OffloadedOptimizer(torch.optim.Adam, emb, lr=0.1)
+    emb(torch.tensor([1, 2], device=device)).sum().backward()
+    adam.step()
+    sd = adam.state_dict()
+    save_checkpoint(tmp_path / "ck", {"opt": adam})
+    emb2 = gl.OffloadedEmbedding(ROWS, DIM, placement=placement, device=device)
+    sgd = gl.OffloadedOptimizer(torch.optim.SGD, emb2, lr=0.1)
+    with pytest.raises(gl.GadgetValueError, match="do not match"):
+        sgd.load_state_dict(sd)
+    with pytest.raises(gl.GadgetValueError, match="tables"):
+        load_checkpoint(tmp_path / "ck", {"opt": sgd})
+    assert sgd.pagers[0].tables == {} and sgd.param_groups[0].get("betas") is None
+    emb3 = gl.OffloadedEmbedding(ROWS, DIM, placement=placement, device=device)
+    adam3 = gl.OffloadedOptimizer(torch.optim.Adam, emb3, lr=0.1)
+    bogus = {"inner": sd["inner"], "tables": [dict(sd["tables"][0], bogus=torch.zeros(ROWS, DIM))]}
+    with pytest.raises(gl.GadgetValueError, match="bogus"):
+        adam3.load_state_dict(bogus)
+    assert set(adam3.pagers[0].tables) == {"exp_avg", "exp_avg_sq"}
+
+
+def test_state_tables_added_by_a_load_are_gathered_with_the_rows(placement, device):
+    w0 = _w0()
+    emb = _offloaded(placement, device, w0)
+    opt = gl.OffloadedOptimizer(torch.optim.RMSprop, emb, lr=0.01)
+    opt.param_groups[0]["momentum"] = 0.9
+    for _ in range(2):
+        opt.zero_grad()
+        emb(torch.arange(ROWS, device=device)).sum().backward()
+        opt.step()
+    emb2 = _offloaded(placement, device, w0)
+    opt2 = gl.OffloadedOptimizer(torch.optim.RMSprop, emb2, lr=0.01)
+    emb2.load_state_dict(emb.state_dict())
+    opt2.load_state_dict(opt.state_dict())
+    assert set(opt2.pagers[0].tables) == {"square_avg", "momentum_buffer"}
+    opt2.zero_grad()
+    emb2(torch.arange(ROWS, device=device)).sum().backward()
+    opt2.step()
+    if opt2.pagers[0].interleaved:
+        assert len(emb2._state_stores) == 2

@@ -192,8 +192,6 @@ def _remove(path: str) -> None:
 
 def _pager_for(obj: Any, tname: str) -> tuple[Any, str] | None:
     """(pager, state key) a checkpoint table name of an optimizer object would belong to."""
-    if isinstance(obj, OptimizerSwitch):
-        return obj._need_pager(), tname
     if isinstance(obj, OffloadedOptimizer):
         index, _, key = tname.partition(".")
         if index.isdigit() and int(index) < len(obj.pagers) and key:
@@ -302,9 +300,14 @@ def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any
         found = {
             t: _pager_for(obj, t)
             for t in set(entry["tables"]) - set(tables)
-            if kind in ("offloaded_optimizer", "optimizer_switch")
+            if kind == "offloaded_optimizer"
         }
-        extra = {t: v for t, v in found.items() if v is not None}
+        saved_groups = (entry.get("meta") or {}).get("inner", {}).get("param_groups")
+        extra = {
+            t: v
+            for t, v in found.items()
+            if v is not None and v[1] in v[0].extra_keys_allowed(saved_groups)
+        }
         if (
             kind != entry["kind"]
             or not set(tables) <= set(entry["tables"])

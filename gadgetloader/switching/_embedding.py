@@ -151,8 +151,13 @@ class _OffloadedTable(nn.Module):
         self._forward_states: dict[int, tuple[list[torch.Tensor], int]] = {}
         #: the optimizer's state pager of this table (set by OffloadedOptimizer)
         self._state_pager: Any = None
-        #: the states of this step's rows when one forward gathered them all
-        self._prefetched: list[torch.Tensor] | None = None
+        #: the states of this step's rows when one forward gathered them all, with the state
+        #: pager's generation then (a refill since makes them stale)
+        self._prefetched: tuple[list[torch.Tensor], int] | None = None
+        #: the gradient signature of this step's last merge (see _grad_signature)
+        self._merged: tuple[Any, ...] | None = None
+        #: the state pager's layout version the state stores above were listed at
+        self._state_version = 0
         #: (device, prepared transfer) of the stores a training lookup gathers
         self._fused: tuple[torch.device, FusedRows] | None = None
         self._attached = False
@@ -197,6 +202,7 @@ class _OffloadedTable(nn.Module):
             self._pending.clear()
             self._forward_states.clear()
             self._prefetched = None
+            self._merged = None
             # this step's lookups are dropped; their range checks stay queued, so a bad id
             # among them is still reported by the optimizer's next step() / zero_grad()
         return out
@@ -289,13 +295,34 @@ class _OffloadedTable(nn.Module):
             finish()
 
     # ---- used by OffloadedOptimizer ------------------------------------------------
-    def _take_step_rows(self, sparse: bool) -> RowPlan | None:
-        """Merge this step's forward calls into the per-step parameter and its gradient."""
-        pending = [(plan, rows) for plan, rows in self._pending if rows.grad is not None]
+    def _grad_signature(self) -> tuple[Any, ...] | None:
+        """What this step's lookups' gradients are now (which tensors, which in-place
+        versions): a merge is redone when it changed; None when no lookup has a gradient."""
+        sig = tuple(
+            (id(rows), id(rows.grad), rows.grad._version)
+            for _, rows in self._pending
+            if rows.grad is not None
+        )
+        return sig or None
+
+    def _end_step(self) -> None:
+        """After the step: lookups without a gradient are retired (a late one is reported
+        by the next step); this step's lookups and gathered states are forgotten."""
         self._retired[:] = [rows for _, rows in self._pending if rows.grad is None]
         self._pending.clear()
-        forward_states = dict(self._forward_states)
         self._forward_states.clear()
+        _set(self, "_prefetched", None)
+        _set(self, "_merged", None)
+
+    def _take_step_rows(self, sparse: bool) -> RowPlan | None:
+        """Merge this step's forward calls into the per-step parameter and its gradient.
+
+        The lookups stay listed until the step ends, so a merge is redone from them when
+        a backward adds to their gradients afterwards (torch sums into each lookup's own
+        gradient; the merge then sums the lookups again, exactly as if nothing had
+        merged in between)."""
+        pending = [(plan, rows) for plan, rows in self._pending if rows.grad is not None]
+        forward_states = self._forward_states
         _set(self, "_prefetched", None)
         param = self._slot.param
         if not pending:
@@ -306,9 +333,8 @@ class _OffloadedTable(nn.Module):
             # one forward gathered exactly this step's rows: its state rows are current
             # unless the state tables were refilled or grew since (see StatePager.follow_hyper)
             got = forward_states.get(id(rows))
-            pager = self._state_pager
-            if got is not None and (pager is None or got[1] == pager.generation):
-                _set(self, "_prefetched", got[0])
+            if got is not None:
+                _set(self, "_prefetched", got)  # (states, pager generation when gathered)
             data, grad = rows.detach(), rows.grad
         else:
             # several lookups this step: merge their rows (their counts read back)
@@ -343,20 +369,6 @@ class _OffloadedTable(nn.Module):
             param.grad = grad
         return plan
 
-    def _requeue_merged(self, plan: RowPlan) -> None:
-        """Put the per-step parameter's merged rows and gradient back among the pending
-        lookups (first, so gradients still add up in backward order)."""
-        param = self._slot.param
-        grad = param.grad
-        if grad is None:
-            return
-        if grad.is_sparse:
-            grad = grad.to_dense()
-        leaf = param.data.detach().requires_grad_(True)
-        leaf.grad = grad
-        self._pending.insert(0, (plan, leaf))
-        param.grad = None
-
     def _check_retired(self) -> None:
         """Raise if a lookup made before the last step got its gradient after that step."""
         if self._retired and any(rows.grad is not None for rows in self._retired):
@@ -377,6 +389,7 @@ class _OffloadedTable(nn.Module):
         self._forward_states.clear()
         self._checks.clear()
         _set(self, "_prefetched", None)
+        _set(self, "_merged", None)
 
     def _release(self) -> None:
         """Forget the optimizer this table belonged to (it is gone): a new one may attach."""
@@ -406,6 +419,7 @@ class _OffloadedTable(nn.Module):
     def _clear_grads(self) -> None:
         for _, rows in self._pending:
             rows.grad = None
+        _set(self, "_merged", None)
 
     # ---- state_dict: the full table, for small tables --------------------------------
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
@@ -906,18 +920,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         old = self._prepared or [None] * len(self.tables)
         plans: list[RowPlan | None] = []
         for m, before in zip(self.tables, old, strict=True):
-            if not m._has_pending_grads():
-                if m._pending:  # lookups without a gradient (yet): a late one is reported
-                    m._retired[:] = [rows for _, rows in m._pending]
-                m._pending.clear()
-                m._forward_states.clear()
-                plans.append(before)
+            sig = m._grad_signature()
+            if sig is None:  # no gradient for this table (yet)
+                plans.append(None)
                 continue
-            if before is not None:
-                # backward ran again after a merge (gradient accumulation with the groups
-                # read in between): the merged rows and gradients join as one more lookup
-                m._requeue_merged(before)
+            if before is not None and sig == m._merged:
+                plans.append(before)  # merged already, and nothing changed since
+                continue
+            # a first merge, or a backward added gradients after the last one (gradient
+            # accumulation with the groups read in between): merge this step's lookups
             plans.append(m._take_step_rows(self._sparse))
+            _set(m, "_merged", m._grad_signature())
         self._prepared = plans
 
     @torch.no_grad()
@@ -931,12 +944,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         plans, self._prepared = self._prepared or [], None
         for m, pager, plan in zip(self.tables, self.pagers, plans, strict=True):
             if plan is not None:
-                version = pager.layout_version
-                pager.load(plan, prefetched=m._prefetched)
-                if pager.layout_version != version and pager.interleaved:
-                    # state tables were added (a scheduler turned an option on): the next
-                    # forwards gather them with the rows too
-                    m._state_stores = [t.store for t in pager.tables.values()]
+                pre = m._prefetched
+                # states a forward gathered are used unless the tables were refilled since
+                fresh = pre[0] if pre is not None and pre[1] == pager.generation else None
+                pager.load(plan, prefetched=fresh)
+            if pager.layout_version != m._state_version:
+                # state tables were added (a scheduler turned an option on, or a loaded
+                # state held more): the next forwards gather them with the rows too
+                _set(m, "_state_version", pager.layout_version)
+                if pager.interleaved:
+                    _set(m, "_state_stores", [t.store for t in pager.tables.values()])
                     _set(m, "_fused", None)
             _set(m, "_prefetched", None)
         self.inner.step()
@@ -945,6 +962,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 # the rows and their state go back together: one fused scatter
                 pager.store_back(plan, with_table=(m.table.store, m._slot.param.detach()))
                 m._slot.param.grad = None
+            m._end_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -1033,10 +1051,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for pager, tables in zip(self.pagers, state_dict["tables"], strict=True):
             # the state dict may hold more state than this optimizer has turned on yet (a
             # scheduler's momentum): torch keeps such state, so it gets its table
-            if not isinstance(tables, dict) or not set(pager.tables) <= set(tables):
+            saved_groups = (state_dict.get("inner") or {}).get("param_groups")
+            if (
+                not isinstance(tables, dict)
+                or not set(pager.tables) <= set(tables)
+                or not set(tables) - set(pager.tables) <= pager.extra_keys_allowed(saved_groups)
+            ):
                 got = sorted(tables) if isinstance(tables, dict) else type(tables).__name__
                 raise GadgetValueError(
-                    f"state tables {got} do not match this optimizer's {sorted(pager.tables)}"
+                    f"state tables {got} do not match this optimizer's {sorted(pager.tables)} "
+                    "(plus what its saved hyper-parameters would turn on)"
                 )
             first = next(iter(pager.tables.values()), None)
             for key, t in tables.items():

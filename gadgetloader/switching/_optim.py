@@ -145,7 +145,9 @@ def _group_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str
     )
 
 
-def probe_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> StateLayout:
+def probe_state(
+    optimizer: torch.optim.Optimizer, param: torch.Tensor, hyper: dict[str, Any] | None = None
+) -> StateLayout:
     """Find the per-row and scalar state ``optimizer`` keeps for ``param``.
 
     Notes
@@ -157,8 +159,9 @@ def probe_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> StateL
     """
     name = supported_name(optimizer)
     cls = type(optimizer)
-    group = _group_of(optimizer, param)
-    hyper = {k: v for k, v in group.items() if k != "params"}
+    if hyper is None:
+        group = _group_of(optimizer, param)
+        hyper = {k: v for k, v in group.items() if k != "params"}
     if param.dim() < 1:
         raise GadgetValueError(
             f"a paged parameter needs a row axis; got shape {tuple(param.shape)}"
@@ -386,8 +389,14 @@ class StatePager:
         group = self._current_group()
         raw = tuple(group.values())
         last = self._raw
-        if len(raw) == len(last) and all(a is b for a, b in zip(raw, last, strict=True)):
-            return False  # the very same values as last time (no scheduler, no user change)
+        if (
+            len(raw) == len(last)
+            and all(a is b for a, b in zip(raw, last, strict=True))
+            and not any(isinstance(v, torch.Tensor) for v in raw)
+        ):
+            # the very same values as last time (no scheduler, no user change); a tensor
+            # value may have changed in place (schedulers fill_ tensor lrs), so not then
+            return False
         self._raw = raw
         if self.fresh:
             key = _hyper_key(group, exact=True)
@@ -448,6 +457,24 @@ class StatePager:
             self.layout_version += 1
             self.generation += 1  # state rows gathered before this are stale
         return changed
+
+    def extra_keys_allowed(self, saved_groups: Any) -> set[str]:
+        """Row-state keys that a saved ``param_groups`` list (torch's state-dict form:
+        ``params`` as indices) would make torch keep for this parameter beyond the tables
+        it has now, e.g. ``momentum_buffer`` when the saved momentum is on."""
+        flat = [p for g in _quiet_groups(self.optimizer) for p in g["params"]]
+        index = next((i for i, p in enumerate(flat) if p is self.param), None)
+        if index is None or not isinstance(saved_groups, (list, tuple)):
+            return set()
+        for g in saved_groups:
+            if isinstance(g, dict) and index in g.get("params", ()):
+                hyper = {k: v for k, v in g.items() if k != "params"}
+                try:
+                    layout = probe_state(self.optimizer, self.param, hyper)
+                except Exception:
+                    return set()
+                return set(layout.row_keys) - set(self.tables)
+        return set()
 
     def table_shape(self) -> tuple[int, ...]:
         """The shape of every state table: ``(rows, *row shape)``."""
