@@ -7,6 +7,7 @@ agree, or the exact first-step arithmetic where they differ.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -600,3 +601,109 @@ def test_state_tables_added_by_a_load_are_gathered_with_the_rows(placement, devi
     opt2.step()
     if opt2.pagers[0].interleaved:
         assert len(emb2._state_stores) == 2
+
+
+# ---- session 7's third review -----------------------------------------------------------------
+@pytest.mark.parametrize("edit", ["scaler", "clip", "replace"])
+def test_the_step_keeps_gradient_edits_of_a_two_lookup_step(placement, device, edit):
+    w0 = _w0()
+    got = []
+    for off in (True, False):
+        emb = _offloaded(placement, device, w0) if off else _dense(device, w0)
+        opt = (
+            gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=1.0)
+            if off
+            else torch.optim.SGD(emb.parameters(), lr=1.0)
+        )
+        loss = (emb(torch.tensor([0, 1, 2], device=device)) * 50).sum() + (
+            emb(torch.tensor([2, 3, 4], device=device)) * 50
+        ).sum()
+        if edit == "scaler":
+            sc = torch.amp.GradScaler(device.type, init_scale=1024.0)
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+        else:
+            loss.backward()
+            params = [p for g in opt.param_groups for p in g["params"]]
+            if edit == "clip":
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+            else:
+                for p in params:
+                    p.grad = p.grad * 0.5
+            opt.step()
+        got.append(_weights(emb))
+    torch.testing.assert_close(got[0], got[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["state_dict", "checkpoint"])
+def test_a_load_between_forward_and_step_uses_the_loaded_state(tmp_path, placement, device, how):
+    w0 = _w0()
+    ids = torch.arange(ROWS, device=device)
+    got = []
+    for off in (True, False):
+        emb = _offloaded(placement, device, w0) if off else _dense(device, w0)
+        opt = (
+            gl.OffloadedOptimizer(torch.optim.Adam, emb, lr=0.1)
+            if off
+            else torch.optim.Adam(emb.parameters(), lr=0.1)
+        )
+        for step in range(6):
+            if step == 3:
+                saved = copy.deepcopy(opt.state_dict())
+                if off and how == "checkpoint":
+                    save_checkpoint(tmp_path / "ck", {"opt": opt})
+            opt.zero_grad()
+            (emb(ids) ** 2).sum().backward()
+            opt.step()
+        opt.zero_grad()
+        out = emb(ids)  # a training forward (its state rows gathered) ...
+        if off and how == "checkpoint":
+            load_checkpoint(tmp_path / "ck", {"opt": opt})  # ... then the load
+        else:
+            opt.load_state_dict(saved)
+        (out**2).sum().backward()
+        opt.step()
+        got.append(_weights(emb))
+    torch.testing.assert_close(got[0], got[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["more-after-step", "two-steps-late"])
+def test_late_gradients_are_reported_whenever_they_come(placement, device, case):
+    w0 = _w0()
+    emb = _offloaded(placement, device, w0)
+    opt = gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=0.1)
+    ids = torch.arange(ROWS, device=device)
+    if case == "more-after-step":
+        out = emb(ids).sum()
+        out.backward(retain_graph=True)
+        opt.step()
+        after_first = _weights(emb)
+        out.backward()
+    else:
+        out = emb(ids).sum()
+        opt.step()
+        opt.step()
+        after_first = _weights(emb)
+        out.backward()
+    with pytest.raises(gl.GadgetValueError, match="after that step"):
+        opt.step()
+    assert torch.equal(_weights(emb), after_first)
+
+
+def test_a_momentum_buffer_kept_after_momentum_went_off_loads(placement, device):
+    w0 = _w0()
+    emb = _offloaded(placement, device, w0)
+    opt = gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=0.1, momentum=0.9)
+    for momentum in (0.9, 0.0):
+        opt.param_groups[0]["momentum"] = momentum
+        opt.zero_grad()
+        emb(torch.arange(ROWS, device=device)).sum().backward()
+        opt.step()
+    sd = opt.state_dict()
+    assert "momentum_buffer" in sd["tables"][0]
+    emb2 = _offloaded(placement, device, w0)
+    opt2 = gl.OffloadedOptimizer(torch.optim.SGD, emb2, lr=0.1)
+    opt2.load_state_dict(sd)
+    buf = opt2.pagers[0].tables["momentum_buffer"].as_tensor().cpu()
+    assert torch.equal(buf, sd["tables"][0]["momentum_buffer"])

@@ -163,7 +163,7 @@ class _OffloadedTable(nn.Module):
         self._attached = False
         #: rows of training lookups that had no gradient when the last step ran: a gradient
         #: arriving later is reported by the next step (it would be lost silently)
-        self._retired: list[torch.Tensor] = []
+        self._retired: list[tuple[Any, Any]] = []
 
     #: set by ``requires_grad_(False)``: lookups are then constants (the table is frozen)
     _frozen = False
@@ -308,7 +308,14 @@ class _OffloadedTable(nn.Module):
     def _end_step(self) -> None:
         """After the step: lookups without a gradient are retired (a late one is reported
         by the next step); this step's lookups and gathered states are forgotten."""
-        self._retired[:] = [rows for _, rows in self._pending if rows.grad is None]
+        # every lookup of the step, with its gradient as the step used it (tensor and in-place
+        # version); kept (weakly) while the lookup lives, so a gradient that reaches it any
+        # number of steps later is reported
+        keep = [entry for entry in self._retired if entry[0]() is not None]
+        for _, rows in self._pending:
+            g = rows.grad
+            keep.append((weakref.ref(rows), None if g is None else (id(g), g._version)))
+        self._retired[:] = keep
         self._pending.clear()
         self._forward_states.clear()
         _set(self, "_prefetched", None)
@@ -370,11 +377,25 @@ class _OffloadedTable(nn.Module):
         return plan
 
     def _check_retired(self) -> None:
-        """Raise if a lookup made before the last step got its gradient after that step."""
-        if self._retired and any(rows.grad is not None for rows in self._retired):
-            self._retired.clear()
+        """Raise if a lookup made before a step got (more) gradient after that step."""
+        if not self._retired:
+            return
+        late = False
+        alive = []
+        for ref, seen in self._retired:
+            rows = ref()
+            if rows is None:
+                continue
+            g = rows.grad
+            now = None if g is None else (id(g), g._version)
+            if now != seen:
+                late = True
+            else:
+                alive.append((ref, seen))
+        self._retired[:] = alive
+        if late:
             raise GadgetValueError(
-                "a lookup of this offloaded embedding made before the last step() got its "
+                "a lookup of this offloaded embedding made before a step() got (more) "
                 "gradient after that step: its rows were read before the step changed them, "
                 "and the gradient is dropped; run backward() before step() for every "
                 "training forward (or make forwards that are not trained under torch.no_grad())"
@@ -942,6 +963,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.prepare_grads()
         plans, self._prepared = self._prepared or [], None
+        # the merge is done: torch's step (and anything else here) reading the groups must
+        # not merge again (that would rebuild gradients the user clipped or unscaled)
+        _set(self, "_preparing", True)
+        try:
+            self._step_tables(plans)
+        finally:
+            _set(self, "_preparing", False)
+        return loss
+
+    def _step_tables(self, plans: list[RowPlan | None]) -> None:
         for m, pager, plan in zip(self.tables, self.pagers, plans, strict=True):
             if plan is not None:
                 pre = m._prefetched
@@ -963,7 +994,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 pager.store_back(plan, with_table=(m.table.store, m._slot.param.detach()))
                 m._slot.param.grad = None
             m._end_step()
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients of the ordinary parameters and of this step's table rows.

@@ -469,11 +469,21 @@ class StatePager:
         for g in saved_groups:
             if isinstance(g, dict) and index in g.get("params", ()):
                 hyper = {k: v for k, v in g.items() if k != "params"}
-                try:
-                    layout = probe_state(self.optimizer, self.param, hyper)
-                except Exception:
-                    return set()
-                return set(layout.row_keys) - set(self.tables)
+                keys: set[str] = set()
+                # as saved, and with each option that is off turned on: torch keeps state an
+                # option made (a momentum buffer) after the option is turned off again
+                trials = [hyper] + [
+                    {**hyper, k: (True if isinstance(v, bool) else 0.5)}
+                    for k, v in hyper.items()
+                    if (isinstance(v, bool) and not v)
+                    or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
+                ]
+                for trial in trials:
+                    try:
+                        keys |= set(probe_state(self.optimizer, self.param, trial).row_keys)
+                    except Exception:  # noqa: BLE001 - a combination torch refuses
+                        continue
+                return keys - set(self.tables)
         return set()
 
     def table_shape(self) -> tuple[int, ...]:
@@ -509,11 +519,18 @@ class StatePager:
     def mark_loaded(self) -> None:
         """After state was loaded: fresh only if it is a never-stepped state (a ``step``
         of 0), whose tables may still be refilled from the first step's hyper-parameters."""
+        self.generation += 1  # state rows gathered before the load are stale
         step = self.optimizer.state.get(self.param, {}).get("step")
         try:
             self.fresh = step is not None and float(step) == 0.0
         except (TypeError, ValueError):
             self.fresh = False
+
+    def tables_written(self) -> None:
+        """The state tables were written from outside (an initializer, a file): they no
+        longer hold a fresh row's state, and rows gathered before are stale."""
+        self.fresh = False
+        self.generation += 1
 
     def load(
         self,
@@ -855,7 +872,7 @@ class OptimizerSwitch:
         pager = self._need_pager()
         for t in pager.tables.values():
             t.init_(initFunction, *args, **kwargs)
-        pager.fresh = False
+        pager.tables_written()
 
     def saveTorch(self, saveFileName: str | os.PathLike[str]) -> None:
         """Save the state tables with ``torch.save`` as ``{state name: CPU tensor}``,
@@ -886,7 +903,7 @@ class OptimizerSwitch:
         for k, t in tables.items():
             t.store.write_block(0, checked[k])
             t.store.synchronize()
-        self._need_pager().fresh = False
+        self._need_pager().tables_written()
 
     def optInit(self) -> None:
         """Create the state tables, filled as torch initialises a fresh parameter's state.
