@@ -707,3 +707,84 @@ def test_a_momentum_buffer_kept_after_momentum_went_off_loads(placement, device)
     opt2.load_state_dict(sd)
     buf = opt2.pagers[0].tables["momentum_buffer"].as_tensor().cpu()
     assert torch.equal(buf, sd["tables"][0]["momentum_buffer"])
+
+
+# ---- session 7's fourth review ----------------------------------------------------------------
+def test_kept_outputs_leave_no_growing_bookkeeping(placement, device):
+    emb = gl.OffloadedEmbedding(ROWS, DIM, placement=placement, device=device)
+    opt = gl.OffloadedOptimizer(torch.optim.Adam, emb, lr=0.01)
+    kept = []
+    for _ in range(200):
+        opt.zero_grad()
+        loss = emb(torch.tensor([1, 2, 4], device=device)).pow(2).sum()
+        loss.backward()
+        opt.step()
+        kept.append(loss)  # the "keep the loss" habit keeps every lookup alive
+    sizes = {
+        k: len(v)
+        for k, v in vars(emb).items()
+        if isinstance(v, (list, dict)) and not k.startswith("_modules")
+    }
+    assert max(sizes.values(), default=0) <= 8, sizes
+
+
+def test_a_stray_gradient_discarded_by_zero_grad_is_not_an_error(placement, device):
+    w0 = _w0()
+    got = []
+    for off in (True, False):
+        emb = _offloaded(placement, device, w0) if off else _dense(device, w0)
+        torch.manual_seed(0)
+        head = nn.Linear(DIM, 1).to(device)
+        opt = (
+            gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=0.1)
+            if off
+            else torch.optim.SGD(emb.parameters(), lr=0.1)
+        )
+        opt_h = torch.optim.SGD(head.parameters(), lr=0.1)
+        ids = torch.tensor([[0, 1, 2]], device=device)
+        for _ in range(3):
+            opt.zero_grad()
+            opt_h.zero_grad()
+            out = emb(ids)
+            out.sum().backward(retain_graph=True)
+            opt.step()
+            head(out).sum().backward()  # a second loss for the other optimizer
+            opt_h.step()
+        got.append(_weights(emb))
+    torch.testing.assert_close(got[0], got[1], rtol=1e-6, atol=1e-7)
+
+
+def test_every_late_gradient_is_reported(placement, device):
+    emb = gl.OffloadedEmbedding(ROWS, DIM, placement=placement, device=device)
+    opt = gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=0.1)
+    ids = torch.arange(ROWS, device=device)
+    loss = emb(ids).sum()
+    loss.backward(retain_graph=True)
+    opt.step()
+    for _ in range(2):
+        loss.backward(retain_graph=True)  # late, twice: reported both times
+        before = _weights(emb)
+        with pytest.raises(gl.GadgetValueError, match="after that step"):
+            emb(ids).sum().backward()
+            opt.step()
+        assert torch.equal(_weights(emb), before)
+        opt.zero_grad()
+
+
+def test_loading_rows_while_a_step_waits_is_refused(tmp_path, placement, device):
+    w0 = _w0()
+    emb = _offloaded(placement, device, w0)
+    opt = gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=0.1)
+    save_checkpoint(tmp_path / "ck", {"model": emb})
+    (emb(torch.arange(ROWS, device=device)) ** 2).sum().backward()
+    with pytest.raises(RuntimeError, match="waits for"):
+        emb.load_state_dict({"weight": w0 + 1})
+    with pytest.raises(gl.GadgetValueError, match="wait for step"):
+        load_checkpoint(tmp_path / "ck", {"model": emb})
+    assert torch.equal(_weights(emb), w0)
+    opt.step()
+    emb.load_state_dict({"weight": w0 + 1})  # after the step: fine
+    assert torch.equal(_weights(emb), w0 + 1)
+    emb(torch.arange(ROWS, device=device))  # a forward without a backward does not block
+    emb.load_state_dict({"weight": w0})
+    assert torch.equal(_weights(emb), w0)

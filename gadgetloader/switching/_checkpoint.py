@@ -320,6 +320,17 @@ def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any
         meta = entry["meta"]
         if kind == "module":
             _check_module(name, obj, meta["state_dict"])
+            waiting = [
+                n
+                for n, m in obj.named_modules()
+                if isinstance(m, _OffloadedTable) and m._blocks_load()
+            ]
+            if waiting:
+                raise GadgetValueError(
+                    f"checkpoint object {name!r}: training lookups of {waiting} have gradients "
+                    "and wait for step() (their rows were read before this load and would "
+                    "overwrite it); load before the forward or after step()"
+                )
         elif kind == "optimizer":
             _check_optimizer(name, obj, meta["state_dict"])
         elif kind == "offloaded_optimizer":

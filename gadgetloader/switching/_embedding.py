@@ -10,6 +10,7 @@ The user's loop is only forward / backward / ``step()``.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 import weakref
@@ -163,7 +164,7 @@ class _OffloadedTable(nn.Module):
         self._attached = False
         #: rows of training lookups that had no gradient when the last step ran: a gradient
         #: arriving later is reported by the next step (it would be lost silently)
-        self._retired: list[tuple[Any, Any]] = []
+        self._late = False
 
     #: set by ``requires_grad_(False)``: lookups are then constants (the table is frozen)
     _frozen = False
@@ -306,16 +307,15 @@ class _OffloadedTable(nn.Module):
         return sig or None
 
     def _end_step(self) -> None:
-        """After the step: lookups without a gradient are retired (a late one is reported
-        by the next step); this step's lookups and gathered states are forgotten."""
-        # every lookup of the step, with its gradient as the step used it (tensor and in-place
-        # version); kept (weakly) while the lookup lives, so a gradient that reaches it any
-        # number of steps later is reported
-        keep = [entry for entry in self._retired if entry[0]() is not None]
+        """After the step: this step's lookups are retired (a gradient reaching them later
+        is reported by the next step) and, with their gathered states, forgotten."""
+        # every lookup of the step gets a hook: a gradient that reaches it later (any number
+        # of steps later, or more gradient for one that had some) marks the table, and the
+        # next merge reports it unless zero_grad() threw it away first, as torch would
+        ref = weakref.ref(self)
         for _, rows in self._pending:
-            g = rows.grad
-            keep.append((weakref.ref(rows), None if g is None else (id(g), g._version)))
-        self._retired[:] = keep
+            if rows.requires_grad:
+                rows.register_hook(functools.partial(_mark_late, ref))
         self._pending.clear()
         self._forward_states.clear()
         _set(self, "_prefetched", None)
@@ -376,24 +376,20 @@ class _OffloadedTable(nn.Module):
             param.grad = grad
         return plan
 
+    def _blocks_load(self) -> bool:
+        """Before the table's rows are replaced: True if a lookup with a gradient waits for its
+        step (the step would write the rows it read over the load). Lookups without a
+        gradient are retired now (a gradient reaching them later is reported as late)."""
+        if any(rows.grad is not None for _, rows in self._pending):
+            return True
+        if self._pending:
+            self._end_step()
+        return False
+
     def _check_retired(self) -> None:
         """Raise if a lookup made before a step got (more) gradient after that step."""
-        if not self._retired:
-            return
-        late = False
-        alive = []
-        for ref, seen in self._retired:
-            rows = ref()
-            if rows is None:
-                continue
-            g = rows.grad
-            now = None if g is None else (id(g), g._version)
-            if now != seen:
-                late = True
-            else:
-                alive.append((ref, seen))
-        self._retired[:] = alive
-        if late:
+        if self._late:
+            _set(self, "_late", False)
             raise GadgetValueError(
                 "a lookup of this offloaded embedding made before a step() got (more) "
                 "gradient after that step: its rows were read before the step changed them, "
@@ -419,7 +415,7 @@ class _OffloadedTable(nn.Module):
         _set(self, "_state_pager", None)
         _set(self, "_fused", None)
         self._drop_step()
-        self._retired.clear()
+        _set(self, "_late", False)
 
     def __getstate__(self) -> dict[str, Any]:
         # a copy (copy.deepcopy, pickling) has the rows but no optimizer and no step in flight
@@ -433,7 +429,7 @@ class _OffloadedTable(nn.Module):
             _checks=[],
             _forward_states={},
             _prefetched=None,
-            _retired=[],
+            _late=False,
         )
         return state
 
@@ -441,6 +437,7 @@ class _OffloadedTable(nn.Module):
         for _, rows in self._pending:
             rows.grad = None
         _set(self, "_merged", None)
+        _set(self, "_late", False)  # a late gradient is thrown away, as torch's zero_grad would
 
     # ---- state_dict: the full table, for small tables --------------------------------
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
@@ -472,6 +469,12 @@ class _OffloadedTable(nn.Module):
             elif tuple(t.shape) != self.table.shape:
                 error_msgs.append(
                     f"size mismatch for {key}: expected {self.table.shape}, got {tuple(t.shape)}"
+                )
+            elif self._blocks_load():
+                error_msgs.append(
+                    f"{key}: a training lookup of this table has its gradient and waits for "
+                    "step() (its rows were read before this load and would overwrite it); load "
+                    "before the forward or after step()"
                 )
             else:
                 self.table.store.write_block(0, t.to(self.table.dtype).cpu())
@@ -689,6 +692,13 @@ class OffloadedEmbeddingBag(_OffloadedTable):
         )
 
 
+def _mark_late(ref: Any, grad: torch.Tensor) -> None:
+    """Gradient hook of a lookup whose step has run: the gradient came too late."""
+    m = ref()
+    if m is not None:
+        _set(m, "_late", True)
+
+
 def _detach(refs: list[Any]) -> None:
     """Release tables from an optimizer that is gone (see OffloadedOptimizer.__init__)."""
     for ref in refs:
@@ -837,8 +847,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     collected its tables are released and a new ``OffloadedOptimizer`` may take them
     (with fresh optimizer state). A warning is given when ``params`` holds no offloaded
     table (``model.parameters()`` does not reach them: pass the model). A gradient that
-    arrives after ``step()`` for a lookup made before it raises
-    :class:`~gadgetloader.GadgetValueError` at the next ``step()`` (it is not applied).
+    reaches a lookup after a ``step()`` that read it (any number of steps later) raises
+    :class:`~gadgetloader.GadgetValueError` at the next ``step()`` (it is not applied),
+    unless ``zero_grad()`` discards it first, as torch's would. Loading the table's rows
+    (``load_state_dict``, ``load_checkpoint``) while a lookup with a gradient waits for
+    its step is refused: the step would write the rows it read over the load.
     Fused SGD with momentum gives ordinary parameters a zero momentum buffer before
     their first step (exactly torch's first step when ``dampening`` is 0; refused
     otherwise), because torch's fused SGD needs buffers for all parameters or none.
