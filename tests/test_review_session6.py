@@ -172,7 +172,7 @@ def test_save_and_load_torch_keep_bfloat16(tmp_path):
     sw.uniformDistributionInit(-1, 1)
     before = sw.getNumpyVersion().copy()
     sw.saveTorch(tmp_path / "bf.pt")
-    assert torch.load(tmp_path / "bf.pt").dtype == torch.bfloat16
+    assert torch.load(tmp_path / "bf.pt", weights_only=True).dtype == torch.bfloat16
     sw.zerosInit()
     sw.loadTorch(tmp_path / "bf.pt")
     np.testing.assert_array_equal(sw.getNumpyVersion(), before)
