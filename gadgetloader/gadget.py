@@ -604,11 +604,17 @@ class DataGadget:
     def uniform_(
         self, low: float = 0.0, high: float = 1.0, *, generator: torch.Generator | None = None
     ) -> DataGadget:
+        """Fill the table from U(low, high) (``low <= high``)."""
+        if not low <= high:
+            raise GadgetValueError(f"uniform_ needs low <= high; got low={low}, high={high}")
         return self.init_(torch.Tensor.uniform_, low, high, generator=generator)
 
     def normal_(
         self, mean: float = 0.0, std: float = 1.0, *, generator: torch.Generator | None = None
     ) -> DataGadget:
+        """Fill the table from N(mean, std**2) (``std >= 0``)."""
+        if not std >= 0:
+            raise GadgetValueError(f"normal_ needs std >= 0; got std={std}")
         return self.init_(torch.Tensor.normal_, mean, std, generator=generator)
 
     # ---- files ---------------------------------------------------------------------------

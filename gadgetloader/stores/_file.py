@@ -562,7 +562,7 @@ class FileStore(Store):
         result = _numpy_bits(result_t)
         if n:
             self._gather_rows(flat, result)
-        shaped = result_t.view(*ids.shape, *self.row_shape)
+        shaped = result_t.view((*ids.shape, *self.row_shape))
         if to_cuda:
             target = (
                 out

@@ -24,7 +24,7 @@ from .._errors import GadgetTypeError, GadgetValueError, as_count
 from .._ids import as_ids
 from ..gadget import DataGadget
 from ..stores._base import gather_many as gather_stores
-from ._rows import DUPLICATE_MODES, PlanCache, RowPlan, plan_rows, split_local
+from ._rows import DUPLICATE_MODES, PlanCache, RowPlan, plan_rows, same_rows, split_local
 from ._torchfile import check_tensor, load_torch_file, save_torch_file, table_tensor
 
 __all__ = ["ModelSwitch", "resolve_parameter", "switch_for"]
@@ -120,13 +120,19 @@ class ModelSwitch:
             raise GadgetValueError(
                 f"Unknown duplicates mode {duplicates!r}; expected one of {list(DUPLICATE_MODES)}"
             )
+        td = as_torch_dtype(dtype)
+        if not td.is_floating_point:
+            raise GadgetTypeError(
+                f"datatype {dtype_name(td)!r}: the table of a trained model variable must be "
+                "floating point (float16, bfloat16, float32 or float64)"
+            )
         self.total_classes = int(total_classes)
         self.embed_dimension = int(embed_dimension)
         self._duplicates = duplicates
         self._transformed = False
         self.table = DataGadget(
             shape=(self.total_classes, self.embed_dimension),
-            dtype=as_torch_dtype(dtype),
+            dtype=td,
             placement=placement,
             device=self.param.device,
         )
@@ -267,7 +273,7 @@ class ModelSwitch:
         self._prefetched = (plan, states, self._pager, self._pager.generation) if states else None
         if cap > n:
             rows[n:].zero_()  # padding rows: no id maps to them, their gradient is zero
-        self.param.data = rows
+        _set_rows(self.param, rows)
         self.param.grad = None
         self._loaded = plan
         local = split_local(plan)
@@ -311,10 +317,7 @@ class ModelSwitch:
         """Scatter the model variable's rows back into the table."""
         plan = self.plan(retrievedPosIndexes, retrievedNegIndexes)
         loaded = self._loaded
-        if loaded is None or (
-            plan is not loaded
-            and (plan.ids.shape != loaded.ids.shape or not torch.equal(plan.ids, loaded.ids))
-        ):
+        if loaded is None or not same_rows(plan, loaded):
             raise GadgetValueError(
                 "afterOptimizerStep got ids other than those of the last beforeForwardPass "
                 f"({plan.num_rows} rows here, "
@@ -395,3 +398,21 @@ class ModelSwitch:
         t = check_tensor(t, os.fspath(loadFileName), self.table.shape, self.table.dtype)
         self.table.store.write_block(0, t)
         self.table.store.synchronize()
+
+
+def _set_rows(param: torch.Tensor, rows: torch.Tensor) -> None:
+    """``param.data = rows``, also when ``rows`` has another shape while a graph built on
+    ``param`` is still alive (the last step's ``loss``, kept by an ordinary loop).
+
+    autograd keeps a leaf's gradient accumulator, with the shape the leaf had, for as
+    long as such a graph references it, and checks the next graph's gradient against
+    that shape: a batch with more positions than any before would fail in ``backward()``
+    ("invalid gradient ... expected shape compatible with"). torch drops the
+    accumulator when ``.data`` changes dtype (not when only the shape changes), so a
+    new shape passes through an empty tensor of another dtype first; the next graph
+    then gets an accumulator of the new shape.
+    """
+    if param.shape != rows.shape:
+        other = torch.float32 if param.dtype == torch.float64 else torch.float64
+        param.data = torch.empty(0, dtype=other, device=rows.device)
+    param.data = rows

@@ -33,7 +33,7 @@ from ..stores import Store
 from ..stores._base import FusedRows
 from ..stores._base import gather_many as gather_stores
 from ..stores._base import scatter_many as scatter_stores
-from ._rows import PlanCache, exact_plan
+from ._rows import PlanCache, exact_plan, same_rows
 from ._torchfile import check_tensor, load_torch_file, save_torch_file, table_tensor
 
 if TYPE_CHECKING:
@@ -980,8 +980,30 @@ class OptimizerSwitch:
     def afterOptimizerStep(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:
         """Scatter the updated state rows back into the tables (unless the model switcher's
         ``afterOptimizerStep`` already wrote them with the rows, see ``optInit``)."""
+        from ._model import switch_for
+
         pager = self._need_pager()
         plan = self._plan(retrievedPosIndexes, retrievedNegIndexes)
+        loaded = pager.loaded_plan
+        sw = switch_for(self.param)
+        model_loaded = sw._loaded if sw is not None else None
+        if (
+            loaded is None
+            or not same_rows(plan, loaded)
+            or (model_loaded is not None and not same_rows(plan, model_loaded))
+        ):
+            # the state rows would land on other rows than they were read from
+            what = "none" if loaded is None else f"{loaded.num_rows}"
+            raise GadgetValueError(
+                "afterOptimizerStep got ids other than those its beforeForwardPass loaded "
+                f"({plan.num_rows} rows here, {what} loaded"
+                + (
+                    ""
+                    if model_loaded is None
+                    else f", {model_loaded.num_rows} in the model switcher"
+                )
+                + "); pass the same ids to both switchers' beforeForwardPass and afterOptimizerStep"
+            )
         if pager.interleaved and pager.stored_plan is plan:
             return
         pager.store_back(plan)

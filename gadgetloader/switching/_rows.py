@@ -170,6 +170,11 @@ def plan_rows_async(
 KERNEL_PLAN_MAX = 1 << 18
 
 
+def same_rows(a: RowPlan, b: RowPlan) -> bool:
+    """Whether two plans move the same rows in the same order (the same plan, or equal ids)."""
+    return a is b or (a.ids.shape == b.ids.shape and bool(torch.equal(a.ids, b.ids)))
+
+
 def exact_plan(plan: RowPlan) -> RowPlan:
     """``plan`` without padding rows: a plan sized on the GPU has its count read back (one
     synchronisation) and its ids cut to the distinct ones; other plans come back as they are."""

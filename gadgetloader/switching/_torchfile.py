@@ -19,6 +19,9 @@ def save_torch_file(obj: Any, path: str | os.PathLike[str]) -> None:
     target = os.fspath(path)
     if os.path.isdir(target):
         raise GadgetValueError(f"saveTorch needs a file path; {target} is a directory")
+    folder = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(folder):
+        raise GadgetFileNotFoundError(f"directory {folder} does not exist (saving {target})")
     tmp = temp_path_beside(target)
     try:
         torch.save(obj, tmp)
