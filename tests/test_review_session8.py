@@ -6,6 +6,10 @@ on the same ids, or the array the table was built from.
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -128,3 +132,137 @@ def test_file_table_of_scalars_gives_one_value_for_one_id(tmp_path):
         assert got.shape == () and float(got) == 3.0
     assert float(g[4]) == 4.0
     g.close()
+
+
+# ---- drop-in module: checkpoints, copies, param groups --------------------------------------
+
+
+def _model(cls, seed=0):
+    torch.manual_seed(seed)
+    m = nn.ModuleDict(
+        {
+            "emb": gl.OffloadedEmbedding(10, 3, placement="cpu", device="cpu"),
+            "head": nn.Linear(3, 1),
+        }
+    )
+    return m, gl.OffloadedOptimizer(cls, m, lr=0.01)
+
+
+def _train(m, o, ids=(1, 2, 2)):
+    o.zero_grad()
+    m["head"](m["emb"](torch.tensor(ids))).sum().backward()
+    o.step()
+
+
+def _snapshot(m, o):
+    return (
+        m["emb"].table.getNumpyVersion().copy(),
+        m["head"].weight.detach().clone(),
+        {k: t.getNumpyVersion().copy() for k, t in o.pagers[0].tables.items()},
+        copy.deepcopy(o.inner.state_dict()),
+    )
+
+
+def _assert_same(a, b):
+    np.testing.assert_array_equal(a[0], b[0])
+    assert torch.equal(a[1], b[1])
+    assert a[2].keys() == b[2].keys()
+    for k in a[2]:
+        np.testing.assert_array_equal(a[2][k], b[2][k])
+    assert repr(a[3]) == repr(b[3])
+
+
+@pytest.mark.parametrize("other", [torch.optim.NAdam, torch.optim.RAdam, torch.optim.AdamW])
+def test_state_of_another_optimizer_class_is_refused_before_anything_changes(tmp_path, other):
+    src, so = _model(torch.optim.Adam)
+    _train(src, so)
+    _train(src, so)
+    gl.save_checkpoint(str(tmp_path / "ck"), {"model": src, "optimizer": so})
+    m, o = _model(other, seed=1)
+    _train(m, o)
+    before = _snapshot(m, o)
+    with pytest.raises(gl.GadgetValueError, match="Adam optimizer; this optimizer is a"):
+        gl.load_checkpoint(str(tmp_path / "ck"), {"model": m, "optimizer": o})
+    _assert_same(_snapshot(m, o), before)
+    with pytest.raises(gl.GadgetValueError, match="Adam optimizer; this optimizer is a"):
+        o.load_state_dict(so.state_dict())
+    _assert_same(_snapshot(m, o), before)
+    _train(m, o)  # still trains
+
+
+def test_a_failing_inner_load_puts_the_optimizer_back():
+    """A state dict without the class tag (as saved before it existed) that torch cannot
+    load part-way (Adam's state into NAdam) leaves the optimizer as it was, usable."""
+    src, so = _model(torch.optim.Adam)
+    _train(src, so)
+    sd = so.state_dict()
+    del sd["optimizer"]
+    m, o = _model(torch.optim.NAdam, seed=1)
+    _train(m, o)
+    before = _snapshot(m, o)
+    with pytest.raises(gl.GadgetValueError, match="does not fit"):
+        o.load_state_dict(sd)
+    _assert_same(_snapshot(m, o), before)
+    _train(m, o)
+
+
+def test_model_with_an_optimizer_pickles_and_copies_without_its_state():
+    emb = gl.OffloadedEmbedding(1000, 8, placement="cpu", device="cpu")
+    opt = gl.OffloadedOptimizer(torch.optim.Adam, emb, lr=0.01)
+    opt.zero_grad()
+    emb(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    rows = emb.table.getData(torch.arange(1000))
+    for copied in (
+        pickle.loads(pickle.dumps(emb)),
+        copy.deepcopy(emb),
+        _torch_roundtrip(emb),
+    ):
+        assert copied._state_pager is None and not copied._attached
+        assert torch.equal(copied.table.getData(torch.arange(1000)), rows)
+        # the copy takes a new optimizer and trains; the original is untouched
+        o2 = gl.OffloadedOptimizer(torch.optim.SGD, copied, lr=1.0)
+        o2.zero_grad()
+        copied(torch.tensor([3])).sum().backward()
+        o2.step()
+        assert torch.equal(copied.table.getData(torch.tensor([3]))[0], rows[3] - 1.0)
+        assert torch.equal(emb.table.getData(torch.arange(1000)), rows)
+
+
+def _torch_roundtrip(module):
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def test_add_param_group_takes_offloaded_tables_like_torch_takes_parameters():
+    torch.manual_seed(0)
+    e1 = gl.OffloadedEmbedding(10, 3, placement="cpu", device="cpu")
+    e2 = gl.OffloadedEmbedding(12, 3, placement="cpu", device="cpu")
+    r1, r2 = nn.Embedding(10, 3), nn.Embedding(12, 3)
+    with torch.no_grad():
+        r1.weight.copy_(e1.table.getData(torch.arange(10)))
+        r2.weight.copy_(e2.table.getData(torch.arange(12)))
+    opt = gl.OffloadedOptimizer(torch.optim.Adam, e1, lr=0.01)
+    ref = torch.optim.Adam(r1.parameters(), lr=0.01)
+    a, b = torch.arange(10), torch.arange(12)  # every row each step: lazy == dense
+    for step in range(4):
+        if step == 2:
+            opt.add_param_group({"params": e2, "lr": 0.1})
+            ref.add_param_group({"params": r2.parameters(), "lr": 0.1})
+        loss = e1(a).pow(2).sum() + (e2(b).pow(2).sum() if step >= 2 else 0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        rl = r1(a).pow(2).sum() + (r2(b).pow(2).sum() if step >= 2 else 0)
+        ref.zero_grad()
+        rl.backward()
+        ref.step()
+    torch.testing.assert_close(e1.table.getData(a), r1.weight.detach(), rtol=0, atol=1e-7)
+    torch.testing.assert_close(e2.table.getData(b), r2.weight.detach(), rtol=0, atol=1e-7)
+    assert [g["lr"] for g in opt.param_groups] == [0.01, 0.1]
+    with pytest.raises(gl.GadgetValueError, match="already belongs"):
+        opt.add_param_group({"params": e2})
+    with pytest.raises(gl.GadgetTypeError, match="dict"):
+        opt.add_param_group([e2])

@@ -35,7 +35,7 @@ from ..gadget import DataGadget
 from . import _embedding
 from ._embedding import OffloadedOptimizer, _OffloadedTable
 from ._model import ModelSwitch
-from ._optim import OptimizerSwitch
+from ._optim import OptimizerSwitch, check_optimizer_kind, optimizer_kind
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -63,7 +63,11 @@ def _parts(obj: Any) -> tuple[str, dict[str, DataGadget], Any]:
         tables = {
             f"{i}.{k}": t for i, pager in enumerate(obj.pagers) for k, t in pager.tables.items()
         }
-        return "offloaded_optimizer", tables, {"inner": obj._inner_state_without_rows()}
+        return (
+            "offloaded_optimizer",
+            tables,
+            {"inner": obj._inner_state_without_rows(), "optimizer": optimizer_kind(obj.inner)},
+        )
     if isinstance(obj, nn.Module):
         tables = {
             f"{name}.weight": m.table
@@ -81,7 +85,7 @@ def _parts(obj: Any) -> tuple[str, dict[str, DataGadget], Any]:
         sd = {k: v for k, v in sd.items() if k not in paged}
         return "module", tables, {"state_dict": sd}
     if isinstance(obj, torch.optim.Optimizer):
-        return "optimizer", {}, {"state_dict": obj.state_dict()}
+        return "optimizer", {}, {"state_dict": obj.state_dict(), "optimizer": optimizer_kind(obj)}
     raise GadgetTypeError(
         "save_checkpoint takes ModelSwitch / ModelFactory, OptimizerSwitch / OptimizerFactory, "
         f"OffloadedOptimizer, nn.Module or torch optimizer objects; got {type(obj).__name__}"
@@ -332,8 +336,10 @@ def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any
                     "overwrite it); load before the forward or after step()"
                 )
         elif kind == "optimizer":
+            check_optimizer_kind(meta.get("optimizer"), obj, f"checkpoint object {name!r}")
             _check_optimizer(name, obj, meta["state_dict"])
         elif kind == "offloaded_optimizer":
+            check_optimizer_kind(meta.get("optimizer"), obj.inner, f"checkpoint object {name!r}")
             _check_optimizer(name, obj.inner, meta["inner"])
         files = {t: os.path.join(d, f) for t, f in entry["tables"].items()}
         for tname, path in files.items():

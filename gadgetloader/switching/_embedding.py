@@ -28,7 +28,7 @@ from .._ids import as_ids, range_check_of
 from ..gadget import DataGadget
 from ..stores._base import FusedRows
 from ..stores._base import gather_many as gather_stores
-from ._optim import StatePager, supported_name
+from ._optim import StatePager, check_optimizer_kind, optimizer_kind, supported_name
 from ._rows import RowPlan, exact_plan, plan_rows, plan_rows_async
 from ._torchfile import table_tensor
 
@@ -424,6 +424,9 @@ class _OffloadedTable(nn.Module):
         state.update(
             _attached=False,
             _state_stores=None,
+            _state_pager=None,  # the optimizer's (its inner optimizer, state tables)
+            _state_version=0,
+            _merged=None,
             _fused=None,
             _pending=[],
             _checks=[],
@@ -905,7 +908,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         ]
         self._sparse = self.optimizer_name == "SparseAdam"
         self._prepared: list[RowPlan | None] | None = None
-        for m, pager in zip(tables, self.pagers, strict=True):
+        self._attach(tables, self.pagers)
+
+    def _attach(self, tables: list[_OffloadedTable], pagers: list[StatePager]) -> None:
+        for m, pager in zip(tables, pagers, strict=True):
             m._attached = True
             m._state_stores = (
                 [t.store for t in pager.tables.values()] if pager.interleaved else None
@@ -914,6 +920,41 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         # when this optimizer is gone, its tables may get a new one (a later phase of
         # training, a fine-tune): they keep their rows, the new optimizer starts fresh state
         weakref.finalize(self, _detach, [weakref.ref(m) for m in tables])
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``; ``params`` may also name offloaded modules, whose
+        tables then train with this group's options from fresh optimizer state (as a
+        parameter added to a torch optimizer does)."""
+        if "pagers" not in self.__dict__:  # torch's __init__ adding the first groups
+            super().add_param_group(param_group)
+            return
+        if not isinstance(param_group, dict):
+            raise GadgetTypeError(
+                f"add_param_group takes a dict with a 'params' entry; got {type(param_group).__name__}"
+            )
+        _, _, groups = _collect([param_group])
+        ((group, tables),) = groups
+        for m in tables:
+            if m._attached:
+                raise GadgetValueError(
+                    "this offloaded embedding already belongs to an OffloadedOptimizer"
+                )
+        if not tables and not group["params"]:
+            raise GadgetValueError("add_param_group got no parameters and no offloaded embeddings")
+        self.inner.add_param_group(
+            {**group, "params": group["params"] + [m._slot.param for m in tables]}
+        )
+        pagers = [
+            StatePager(
+                self.inner, m._slot.param, m.num_embeddings, placement=m.placement, table=m.table
+            )
+            for m in tables
+        ]
+        if self._prepared is not None:
+            self._prepared = self._prepared + [None] * len(tables)
+        self.tables = self.tables + tables
+        self.pagers = self.pagers + pagers
+        self._attach(tables, pagers)
 
     def __repr__(self) -> str:
         return f"OffloadedOptimizer({self.inner!r}, offloaded tables={len(self.tables)})"
@@ -1078,15 +1119,23 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             "tables": [
                 {k: table_tensor(t) for k, t in pager.tables.items()} for pager in self.pagers
             ],
+            "optimizer": optimizer_kind(self.inner),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (same model structure and optimizer)."""
-        if set(state_dict) != {"inner", "tables"} or len(state_dict["tables"]) != len(self.pagers):
+        """Restore what :meth:`state_dict` returned (same model structure and optimizer
+        class; anything else is refused before any state changes)."""
+        if (
+            not isinstance(state_dict, dict)
+            or not {"inner", "tables"} <= set(state_dict) <= {"inner", "tables", "optimizer"}
+            or len(state_dict["tables"]) != len(self.pagers)
+        ):
+            keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise GadgetValueError(
                 f"expected an OffloadedOptimizer state_dict for {len(self.pagers)} offloaded tables; "
-                f"got keys {sorted(state_dict)}"
+                f"got keys {keys}"
             )
+        check_optimizer_kind(state_dict.get("optimizer"), self.inner, "the state dict")
         # check everything before writing anything: a bad state dict changes nothing
         for pager in self.pagers:
             pager.follow_hyper()  # state a scheduler turned on since construction has its table
@@ -1135,7 +1184,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             pager.mark_loaded()
 
     def _load_inner(self, sd: dict[str, Any]) -> None:
-        self.inner.load_state_dict(sd)
+        before = self.inner.state_dict()
+        try:
+            self.inner.load_state_dict(sd)
+        except Exception as exc:
+            # torch's load failed part-way (state of another kind): put back what was there
+            self.inner.load_state_dict(before)
+            self._share_groups()
+            self.state = self.inner.state
+            raise GadgetValueError(
+                f"the saved optimizer state does not fit this {optimizer_kind(self.inner)} "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
         # load_state_dict rebuilt inner.state and the groups; share them again
         self._share_groups()
         self.state = self.inner.state

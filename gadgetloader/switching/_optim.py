@@ -67,6 +67,25 @@ SUPPORTED_OPTIMIZERS: tuple[str, ...] = (
 )
 
 
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    """What a saved optimizer state is tagged with: its class, as ``module.Name``."""
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def check_optimizer_kind(saved: Any, optimizer: torch.optim.Optimizer, what: str) -> None:
+    """Refuse optimizer state saved by another optimizer class (``saved``: its tag, or
+    None for state saved without one, which is let through)."""
+    if saved is None:
+        return
+    mine = optimizer_kind(optimizer)
+    if saved != mine:
+        raise GadgetValueError(
+            f"{what} holds the state of a {saved} optimizer; this optimizer is a {mine} "
+            "(build the optimizer that saved it to load it)"
+        )
+
+
 def supported_name(optimizer: Any) -> str:
     """The supported torch optimizer class ``optimizer`` is (or derives from).
 
