@@ -86,6 +86,13 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
     if isinstance(indexes, (int, np.integer)) and not isinstance(indexes, bool):
         return torch.tensor(int(indexes), dtype=torch.int64)
     if isinstance(indexes, range):
+        if len(indexes) == 0:  # also a step pointing the other way, as Python's
+            return torch.empty(0, dtype=torch.int64)
+        lo, hi = min(indexes[0], indexes[-1]), max(indexes[0], indexes[-1])
+        if hi > np.iinfo(np.int64).max:
+            raise GadgetIndexError("ids larger than 2**63-1 cannot address any table")
+        if lo < 0:
+            raise GadgetIndexError(f"id {lo} is negative: ids address rows from 0")
         return torch.arange(indexes.start, indexes.stop, indexes.step, dtype=torch.int64)
     if isinstance(indexes, (list, tuple)):
         if len(indexes) == 0:
@@ -224,6 +231,15 @@ def as_ids(
     GadgetIndexError
         A negative id or one ``>= num_rows``.
     """
+    if isinstance(indexes, range) and len(indexes):
+        # checked from its ends before it is built (a range far past the table would
+        # first take gigabytes)
+        top = max(indexes[0], indexes[-1])
+        if top >= num_rows and min(indexes[0], indexes[-1]) >= 0:
+            raise GadgetIndexError(
+                f"id {top} is out of range: this table has {num_rows} rows, so ids must be in "
+                f"[0, {num_rows - 1}] (ids seen: {indexes}); nothing was read or written"
+            )
     t = _to_tensor(indexes)
     if t.dtype == torch.bool:
         raise GadgetTypeError(

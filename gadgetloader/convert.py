@@ -29,7 +29,7 @@ import numpy as np
 from . import io as _io
 from ._dtypes import dtype_name
 from ._errors import GadgetError, GadgetValueError
-from .io._atomic import interrupts_deferred
+from .io._atomic import InterruptedAfterWrite, interrupts_deferred
 from .io._stream import STAGING_BYTES, blocks, progress_bar
 
 __all__ = ["add_arguments", "convert", "run"]
@@ -140,10 +140,13 @@ def convert(
                     sink.write(start, block)
                     bar.update((stop - start) * source.row_nbytes)
                     check()
+                check()  # the last point where the write can stop with the old file in place
                 sink.commit()
+                check.committed = True
         except BaseException:
             sink.abort()
             raise
+        check.deliver(dst_p)  # a Ctrl-C held during the commit, now the file is written
     finally:
         source.close()
     return {
@@ -209,6 +212,12 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:  # the file system's refusal (a path through a file, no space...)
         print(f"gadgetloader convert: error: {exc}", file=sys.stderr)
         return 1
+    except InterruptedAfterWrite:
+        print(
+            f"gadgetloader convert: interrupted after {args.dst} was written (complete)",
+            file=sys.stderr,
+        )
+        return 130
     except KeyboardInterrupt:
         print(f"gadgetloader convert: interrupted; {args.dst} was not written", file=sys.stderr)
         return 130

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import pickle
+import signal
+import threading
 
 import numpy as np
 import pytest
@@ -266,3 +269,112 @@ def test_add_param_group_takes_offloaded_tables_like_torch_takes_parameters():
         opt.add_param_group({"params": e2})
     with pytest.raises(gl.GadgetTypeError, match="dict"):
         opt.add_param_group([e2])
+
+
+# ---- files: ranges, permissions, interrupts --------------------------------------------------
+
+
+def test_empty_and_huge_ranges_and_slices_follow_python():
+    g = gl.DataGadget(np.arange(20, dtype=np.float32).reshape(10, 2), placement="cpu")
+    assert g.getData(range(5, 2)).shape == (0, 2)
+    g.insertData(np.zeros((0, 2), np.float32), range(5, 2))  # nothing to write
+    ds = gl.GadgetDataset(np.zeros((10, 2), np.float32), np.arange(10))
+    for sl in (slice(5, 2), slice(3, 1, 1), slice(0, 10, -1)):
+        x, y = ds[sl]
+        assert x.shape == (0, 2) and y.shape == (0,)
+    x, y = ds[8:2:-3]
+    assert y.tolist() == [8, 5]
+    for bad in (range(2**63 - 1, 2**63 + 1), range(-(2**70), -(2**70) + 2), range(3, -2, -1)):
+        with pytest.raises(gl.GadgetIndexError):
+            g.getData(bad)
+    np.testing.assert_array_equal(
+        g.getNumpyVersion(), np.arange(20, dtype=np.float32).reshape(10, 2)
+    )
+
+
+def test_a_range_far_past_the_table_is_refused_before_it_is_built(monkeypatch):
+    g = gl.DataGadget(np.zeros((10, 2), np.float32), placement="cpu")
+    import gadgetloader._ids as ids_mod
+
+    def no_arange(*a, **k):
+        raise AssertionError("the range was built before its check")
+
+    monkeypatch.setattr(ids_mod.torch, "arange", no_arange)
+    with pytest.raises(gl.GadgetIndexError, match="out of range"):
+        g.getData(range(0, 2 * 10**8))
+
+
+def test_int_index_out_of_range_names_pythons_bounds():
+    ds = gl.GadgetDataset(np.zeros((103, 2), np.float32))
+    with pytest.raises(gl.GadgetIndexError, match=r"\[-103, 102\]"):
+        ds[-104]
+    with pytest.raises(gl.GadgetIndexError, match=r"\[-103, 102\]"):
+        ds[103]
+    assert ds[-103][0].shape == (2,)
+
+
+@pytest.mark.parametrize("ext", ["npy", "h5"])
+def test_an_unreadable_file_is_reported_as_such(tmp_path, monkeypatch, ext):
+    if ext == "h5":
+        pytest.importorskip("h5py")
+    path = tmp_path / f"a.{ext}"
+    gl.DataGadget(np.ones((4, 2), np.float32), placement="cpu").save(str(path))
+    import builtins
+
+    import gadgetloader.io._hdf5 as h5mod
+    import gadgetloader.io._npy as npymod
+
+    real_open = builtins.open
+
+    def denied(p, *a, **k):
+        if str(p) == str(path):
+            raise PermissionError(13, "Permission denied", str(p))
+        return real_open(p, *a, **k)
+
+    for mod in (h5mod, npymod):
+        monkeypatch.setattr(mod, "open", denied, raising=False)
+    with pytest.raises(gl.GadgetFileError, match="permission denied"):
+        gl.DataGadget(str(path), placement="cpu")
+
+
+def test_saving_into_an_unwritable_folder_is_refused_before_writing(tmp_path, monkeypatch):
+    import gadgetloader.io._chunks as chunks
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    real_access = os.access
+
+    def access(p, mode, *a, **k):
+        if os.fspath(p) == os.fspath(folder) and mode & os.W_OK:
+            return False
+        return real_access(p, mode, *a, **k)
+
+    monkeypatch.setattr(chunks.os, "access", access)
+    g = gl.DataGadget(np.ones((4, 2), np.float32), placement="cpu")
+    for name in ("x.npy", "x.h5", "x.zarr"):
+        with pytest.raises(gl.ReadOnlyError, match="not writable") as info:
+            g.save(str(folder / name))
+        assert isinstance(info.value, PermissionError)
+    assert list(folder.iterdir()) == []
+
+
+@pytest.mark.skipif(
+    threading.current_thread() is not threading.main_thread(), reason="signals: main thread"
+)
+def test_ctrl_c_during_the_commit_is_raised_after_the_file_is_in_place(tmp_path, monkeypatch):
+    import gadgetloader.io._npy as npymod
+
+    path = tmp_path / "t.npy"
+    np.save(path, np.zeros((6, 2), np.float32))
+    real_commit = npymod.NpySink.commit
+
+    def commit(self):
+        os.kill(os.getpid(), signal.SIGINT)  # held by the save
+        real_commit(self)
+
+    monkeypatch.setattr(npymod.NpySink, "commit", commit)
+    new = np.arange(12, dtype=np.float32).reshape(6, 2)
+    with pytest.raises(KeyboardInterrupt, match="was written"):
+        gl.DataGadget(new, placement="cpu").save(str(path))
+    np.testing.assert_array_equal(np.load(path), new)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.npy"]

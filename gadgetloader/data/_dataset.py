@@ -23,7 +23,7 @@ from torch.utils.data import get_worker_info as _worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 from .._device import cuda_available, cupy_available, resolve_device
-from .._errors import GadgetTypeError, GadgetValueError
+from .._errors import GadgetIndexError, GadgetTypeError, GadgetValueError
 from .._ids import as_ids, check_range
 from ..gadget import DataGadget
 from ..stores import Store
@@ -356,9 +356,14 @@ class GadgetDataset(Dataset[Any]):
         if isinstance(index, slice):
             index = range(*index.indices(self._num_rows))
         if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
-            i = int(index)
-            if -self._num_rows <= i < 0:
-                i += self._num_rows
+            i, n = int(index), self._num_rows
+            if not -n <= i < n:
+                raise GadgetIndexError(
+                    f"index {i} is out of range for a dataset of {n} rows (an int index, as in "
+                    f"Python, must be in [-{n}, {n - 1}])"
+                )
+            if i < 0:
+                i += n
             return tuple(t[0] for t in self.gather([i]))
         return self.gather(index)
 

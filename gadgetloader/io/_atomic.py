@@ -9,10 +9,16 @@ import signal
 import stat
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["interrupts_deferred", "temp_path_beside", "replace_atomically", "remove_path"]
+__all__ = [
+    "InterruptedAfterWrite",
+    "interrupts_deferred",
+    "temp_path_beside",
+    "replace_atomically",
+    "remove_path",
+]
 
 
 def _resolved(target: str | os.PathLike[str]) -> Path:
@@ -82,8 +88,35 @@ def replace_atomically(tmp: str | os.PathLike[str], target: str | os.PathLike[st
     _fsync_dir(target_p.parent)
 
 
+class InterruptedAfterWrite(KeyboardInterrupt):
+    """Ctrl-C came while a save replaced its target: the save is complete (the new file is
+    in place), and the interrupt is delivered once it is."""
+
+
+class _Held:
+    """The ``check`` of :func:`interrupts_deferred`."""
+
+    def __init__(self) -> None:
+        self.pressed: list[bool] = []
+        #: set by the caller once its write is committed: a held Ctrl-C is then reported
+        #: by :meth:`deliver` as :class:`InterruptedAfterWrite` (the target is written)
+        self.committed = False
+        self.late = False
+
+    def __call__(self) -> None:
+        if self.pressed:
+            self.pressed.clear()
+            raise KeyboardInterrupt
+
+    def deliver(self, what: str) -> None:
+        """After the commit and its clean-up: raise a Ctrl-C held during the commit."""
+        if self.late:
+            self.late = False
+            raise InterruptedAfterWrite(f"interrupted after {what} was written")
+
+
 @contextlib.contextmanager
-def interrupts_deferred() -> Iterator[Callable[[], None]]:
+def interrupts_deferred() -> Iterator[_Held]:
     """Hold Ctrl-C (SIGINT) until a safe point of a long write.
 
     Yields ``check``: call it between blocks; it raises ``KeyboardInterrupt`` if Ctrl-C was
@@ -92,29 +125,32 @@ def interrupts_deferred() -> Iterator[Callable[[], None]]:
     on to the end; deferred to ``check`` it always stops the save, which then removes its
     partial file. A second Ctrl-C raises at once. Only in the main thread, and only while
     Python's own SIGINT handler is installed (a program's handler is left alone).
+
+    Call ``check()`` just before the commit (the last point where the write can stop) and
+    set ``check.committed = True`` after it: a Ctrl-C held during the commit, when the
+    target has been replaced, is then not raised on leaving the block but by
+    ``check.deliver(...)`` as :class:`InterruptedAfterWrite`, after the caller's clean-up.
     """
-    pressed: list[bool] = []
-
-    def check() -> None:
-        if pressed:
-            pressed.clear()
-            raise KeyboardInterrupt
-
+    held = _Held()
     if (
         threading.current_thread() is not threading.main_thread()
         or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
     ):
-        yield check
+        yield held
         return
 
     def hold(signum: int, frame: object) -> None:
-        if pressed:
+        if held.pressed:
             raise KeyboardInterrupt  # pressed twice: stop now
-        pressed.append(True)
+        held.pressed.append(True)
 
     signal.signal(signal.SIGINT, hold)
     try:
-        yield check
+        yield held
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    check()
+    if held.committed:
+        held.late = bool(held.pressed)
+        held.pressed.clear()
+    else:
+        held()

@@ -28,6 +28,7 @@ from .._errors import (
     GadgetKeyError,
     GadgetTypeError,
     GadgetValueError,
+    ReadOnlyError,
 )
 
 __all__ = [
@@ -91,6 +92,12 @@ def check_sink_target(path: Path, shape: tuple[int, ...], store: str = "file") -
     """
     if not path.parent.exists():
         raise GadgetFileNotFoundError(f"directory {path.parent} does not exist (saving {path})")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        # a save writes a temporary file beside the target and renames it over it
+        raise ReadOnlyError(
+            f"cannot save {path}: its directory {path.parent} is not writable (a save writes "
+            "a new file there and renames it over the target)"
+        )
     if store == "file" and path.exists() and not path.is_file():
         what = "a directory" if path.is_dir() else "not a regular file"
         raise GadgetFileError(

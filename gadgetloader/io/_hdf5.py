@@ -99,6 +99,8 @@ def is_hdf5(path: str | os.PathLike[str]) -> bool:
                 if f.read(8) == _SIGNATURE:
                     return True
                 offset = 512 if offset == 0 else offset * 2
+    except PermissionError:
+        raise  # a file that cannot be read is no evidence of its format
     except OSError:
         return False
     return False

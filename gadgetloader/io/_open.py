@@ -10,7 +10,14 @@ from typing import Any
 
 import torch
 
-from .._errors import GadgetFileNotFoundError, GadgetKeyError, GadgetTypeError, GadgetValueError
+from .._errors import (
+    GadgetError,
+    GadgetFileError,
+    GadgetFileNotFoundError,
+    GadgetKeyError,
+    GadgetTypeError,
+    GadgetValueError,
+)
 from ._base import ArraySink, ArraySource
 from ._hdf5 import Hdf5Sink, Hdf5Source, is_hdf5
 from ._npy import NpySink, NpySource, is_npy
@@ -103,7 +110,12 @@ def open_source(
     factory = _REGISTRY[fmt][0]
     if dataset is not None:
         kwargs["dataset"] = dataset
-    return factory(path, **kwargs)
+    try:
+        return factory(path, **kwargs)
+    except PermissionError as exc:
+        if isinstance(exc, GadgetError):
+            raise
+        raise GadgetFileError(f"cannot read {path}: permission denied ({exc})") from exc
 
 
 def open_sink(

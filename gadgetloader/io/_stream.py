@@ -149,10 +149,13 @@ def save_from(
                 sink.write(start, _numpy_view(block.contiguous()))
                 bar.update((stop - start) * store.row_nbytes)
                 check()
+            check()  # the last point where the save can stop with the old file in place
             sink.commit()
+            check.committed = True
     except BaseException:
         sink.abort()
         raise
+    check.deliver(desc)  # a Ctrl-C held during the commit, now the file is written
 
 
 def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .._errors import GadgetFileError, GadgetFileNotFoundError, GadgetValueError
+from .._errors import GadgetFileError, GadgetFileNotFoundError, GadgetValueError, ReadOnlyError
 from ..io._atomic import remove_path, replace_atomically, temp_path_beside
 
 __all__ = ["check_tensor", "load_torch_file", "save_torch_file", "table_tensor"]
@@ -22,6 +22,8 @@ def save_torch_file(obj: Any, path: str | os.PathLike[str]) -> None:
     folder = os.path.dirname(os.path.abspath(target))
     if not os.path.isdir(folder):
         raise GadgetFileNotFoundError(f"directory {folder} does not exist (saving {target})")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ReadOnlyError(f"cannot save {target}: its directory {folder} is not writable")
     tmp = temp_path_beside(target)
     try:
         torch.save(obj, tmp)
