@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in _SUITES.items():
         if not _available(module):
             continue
-        sp = suites.add_parser(name, help=help_text)
+        sp = suites.add_parser(name, help=help_text, prog=f"{p.prog} bench {name}")
         sp.add_argument("--json", metavar="FILE", help="write the results as JSON")
         importlib.import_module(module).add_arguments(sp)
 
@@ -70,11 +70,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _write_json(path: str | None, data: Any) -> None:
+def _write_json(path: str | None, data: Any, command: str) -> int:
+    """Write ``data`` to ``path`` (if given); the exit status (1: it could not be written,
+    said in one line)."""
     if path:
-        with open(path, "w") as f:
-            json.dump(data, f, indent=2, default=str)
+        try:
+            with open(path, "w") as f:
+                json.dump(data, f, indent=2, default=str)
+        except OSError as exc:  # checked before the run, but the file system may differ now
+            print(f"gadgetloader {command}: error: --json {path}: {exc}", file=sys.stderr)
+            return 1
         print(f"wrote {path}")
+    return 0
 
 
 def _check_json_target(parser: argparse.ArgumentParser, path: str | None) -> None:
@@ -88,6 +95,8 @@ def _check_json_target(parser: argparse.ArgumentParser, path: str | None) -> Non
         parser.error(f"--json {path}: no such directory {folder}")
     if not os.access(folder, os.W_OK):
         parser.error(f"--json {path}: {folder} is not writable")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        parser.error(f"--json {path}: the file is not writable")
 
 
 def _check_bench_order(parser: argparse.ArgumentParser, argv: Sequence[str], suite: str) -> None:
@@ -129,8 +138,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
         data = collect_info(measure=not args.no_measure)
         print(format_info(data))
-        _write_json(args.json, data)
-        return 0
+        return _write_json(args.json, data, "info")
     if args.command == "bench":
         from ._errors import GadgetError
 
@@ -143,8 +151,7 @@ def _main(argv: Sequence[str] | None) -> int:
         except KeyboardInterrupt:
             print("gadgetloader bench: interrupted", file=sys.stderr)
             return 130
-        _write_json(getattr(args, "json", None), result)
-        return 0
+        return _write_json(getattr(args, "json", None), result, "bench")
     if args.command == "convert":
         return int(importlib.import_module("gadgetloader.convert").run(args) or 0)
     return 2  # pragma: no cover - argparse rejects unknown commands

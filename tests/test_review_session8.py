@@ -378,3 +378,66 @@ def test_ctrl_c_during_the_commit_is_raised_after_the_file_is_in_place(tmp_path,
         gl.DataGadget(new, placement="cpu").save(str(path))
     np.testing.assert_array_equal(np.load(path), new)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.npy"]
+
+
+def test_hdf5_datasets_behind_external_links_are_listed(tmp_path):
+    h5py = pytest.importorskip("h5py")
+    target = tmp_path / "target.h5"
+    with h5py.File(target, "w") as f:
+        f.create_dataset("data", data=np.arange(40, dtype=np.float32).reshape(20, 2))
+    only = tmp_path / "onlyext.h5"
+    with h5py.File(only, "w") as f:
+        f["ext"] = h5py.ExternalLink(str(target), "/data")
+    g = gl.DataGadget(str(only), placement="cpu")  # its one dataset: no dataset= needed
+    np.testing.assert_array_equal(g.getData([3]).numpy(), [[6.0, 7.0]])
+    mixed = tmp_path / "mixed.h5"
+    with h5py.File(mixed, "w") as f:
+        f["ext"] = h5py.ExternalLink(str(target), "/data")
+        f.create_dataset("local", data=np.ones((20, 2), np.float32))
+    with pytest.raises(gl.GadgetKeyError, match=r"2 datasets: \['local', 'ext'\]"):
+        gl.DataGadget(str(mixed), placement="cpu")  # two arrays: no silent choice
+    dangling = tmp_path / "dangling.h5"
+    with h5py.File(dangling, "w") as f:
+        f["ext"] = h5py.ExternalLink(str(tmp_path / "nowhere.h5"), "/data")
+    with pytest.raises(gl.GadgetFileError, match="external link to .*nowhere.h5"):
+        gl.DataGadget(str(dangling), dataset="ext", placement="cpu")
+
+
+def test_cli_json_checks_an_existing_file_and_names_each_suite(tmp_path, monkeypatch, capsys):
+    from gadgetloader import cli
+
+    ro = tmp_path / "ro.json"
+    ro.write_text("{}")
+    real_access = os.access
+    monkeypatch.setattr(
+        cli.os,
+        "access",
+        lambda p, mode, *a, **k: (
+            False if os.fspath(p) == str(ro) and mode & os.W_OK else real_access(p, mode, *a, **k)
+        ),
+    )
+    with pytest.raises(SystemExit) as info:
+        cli.main(["info", "--no-measure", "--json", str(ro)])
+    assert info.value.code == 2
+    assert "not writable" in capsys.readouterr().err and ro.read_text() == "{}"
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "seed", "--rows", "0"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: gadgetloader bench seed ") and "options of that suite" not in err
+
+
+def test_cli_json_write_failure_after_the_run_is_one_line(tmp_path, monkeypatch, capsys):
+    from gadgetloader import cli
+
+    out = tmp_path / "x.json"
+    real_open = open
+
+    def failing(p, *a, **k):
+        if os.fspath(p) == str(out):
+            raise PermissionError(13, "Permission denied", str(p))
+        return real_open(p, *a, **k)
+
+    monkeypatch.setattr(cli, "open", failing, raising=False)
+    assert cli.main(["info", "--no-measure", "--json", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "--json" in err and "Permission denied" in err and "Traceback" not in err

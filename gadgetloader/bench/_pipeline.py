@@ -475,13 +475,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(
         "fast form vs best per-sample torch: "
         + (f"{summary['memory_fast_x_torch']:.1f}x" if summary["memory_fast_x_torch"] else "-")
-        + "; default form is "
+        + "; default form: "
         + (
-            f"{summary['memory_default_vs_fast']:.2f}x"
+            f"{summary['memory_default_vs_fast']:.2f}x the fast form's time a batch"
             if summary["memory_default_vs_fast"]
             else "-"
         )
-        + " slower than the fast form"
         + (
             f"; fast form at {summary['memory_fast_of_limit']:.0%} of the pinned memcpy limit"
             if summary["memory_fast_of_limit"]

@@ -179,14 +179,39 @@ if hasattr(os, "register_at_fork"):
 
 
 def _datasets_in(f: Any, h5py: ModuleType) -> list[str]:
+    """The datasets of ``f``, also those reached through external links (which
+    ``visititems`` does not follow); a link whose target cannot be opened is left out."""
     names: list[str] = []
+    groups: list[tuple[str, Any]] = [("", f)]
 
     def visit(name: str, obj: Any) -> None:
         if isinstance(obj, h5py.Dataset):
             names.append(name)
+        elif isinstance(obj, h5py.Group):
+            groups.append((name + "/", obj))
 
     f.visititems(visit)
+    for prefix, group in groups:
+        for key in group:
+            if isinstance(group.get(key, getlink=True), h5py.ExternalLink):
+                try:
+                    target = group.get(key)
+                except (KeyError, OSError):  # its file or dataset is missing
+                    continue
+                if isinstance(target, h5py.Dataset):
+                    names.append(prefix + key)
     return names
+
+
+def _dangling_link(f: Any, h5py: ModuleType, name: str) -> str | None:
+    """Where the external link ``name`` points, when it is one (None otherwise)."""
+    try:
+        link = f.get(name, getlink=True)
+    except (KeyError, OSError):
+        return None
+    if isinstance(link, h5py.ExternalLink):
+        return f"{link.filename}:{link.path}"
+    return None
 
 
 class Hdf5Source(ArraySource):
@@ -264,8 +289,17 @@ class Hdf5Source(ArraySource):
                     what = "no datasets" if not names else f"{len(names)} datasets: {names}"
                     raise GadgetKeyError(f"{self.path} holds {what}; pass dataset= to choose one")
                 dataset = names[0]
-            obj = f.get(dataset)
+            try:
+                obj = f.get(dataset)
+            except (KeyError, OSError):  # an external link whose target cannot be opened
+                obj = None
             if not isinstance(obj, h5py.Dataset):
+                link = _dangling_link(f, h5py, dataset) if obj is None else None
+                if link is not None:
+                    raise GadgetFileError(
+                        f"{self.path}[{dataset!r}] is an external link to {link}, which cannot "
+                        "be opened (is that file missing?)"
+                    )
                 raise GadgetKeyError(
                     f"{self.path} has no dataset {dataset!r}; datasets in the file: {names}"
                 )
