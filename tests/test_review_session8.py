@@ -389,7 +389,7 @@ def test_hdf5_datasets_behind_external_links_are_listed(tmp_path):
     with h5py.File(only, "w") as f:
         f["ext"] = h5py.ExternalLink(str(target), "/data")
     g = gl.DataGadget(str(only), placement="cpu")  # its one dataset: no dataset= needed
-    np.testing.assert_array_equal(g.getData([3]).numpy(), [[6.0, 7.0]])
+    np.testing.assert_array_equal(g.getData([3]).cpu().numpy(), [[6.0, 7.0]])
     mixed = tmp_path / "mixed.h5"
     with h5py.File(mixed, "w") as f:
         f["ext"] = h5py.ExternalLink(str(target), "/data")
