@@ -93,7 +93,11 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
             raise GadgetIndexError("ids larger than 2**63-1 cannot address any table")
         if lo < 0:
             raise GadgetIndexError(f"id {lo} is negative: ids address rows from 0")
-        return torch.arange(indexes.start, indexes.stop, indexes.step, dtype=torch.int64)
+        if len(indexes) == 1:  # any step (also one beyond int64)
+            return torch.tensor([indexes[0]], dtype=torch.int64)
+        # every id lies in [0, 2**63), so the step and k * step do too (a stop beyond int64
+        # would not be a valid arange end)
+        return torch.arange(len(indexes), dtype=torch.int64) * indexes.step + indexes[0]
     if isinstance(indexes, (list, tuple)):
         if len(indexes) == 0:
             return torch.empty(0, dtype=torch.int64)

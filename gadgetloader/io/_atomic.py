@@ -14,6 +14,7 @@ from pathlib import Path
 
 __all__ = [
     "InterruptedAfterWrite",
+    "resolved_target",
     "interrupts_deferred",
     "temp_path_beside",
     "replace_atomically",
@@ -21,7 +22,7 @@ __all__ = [
 ]
 
 
-def _resolved(target: str | os.PathLike[str]) -> Path:
+def resolved_target(target: str | os.PathLike[str]) -> Path:
     """``target``, or what it links to when it is a symbolic link: a save through a link
     writes the file the link names (as ``numpy.save`` does) and the link stays."""
     t = Path(target)
@@ -31,7 +32,7 @@ def _resolved(target: str | os.PathLike[str]) -> Path:
 def temp_path_beside(target: str | os.PathLike[str]) -> Path:
     """A fresh hidden path in the target's directory (same file system, so rename is atomic).
     A symbolic link's target is the one written (see :func:`replace_atomically`)."""
-    t = _resolved(target)
+    t = resolved_target(target)
     return t.with_name(f".{t.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
@@ -76,7 +77,7 @@ def replace_atomically(tmp: str | os.PathLike[str], target: str | os.PathLike[st
     is complete at ``target``'s path or at the aside path. The new file keeps the old
     one's permission bits (and owner, where allowed); a symbolic link stays a link and
     the file it names is replaced. Other hard links to the old file keep the old data."""
-    tmp_p, target_p = Path(tmp), _resolved(target)
+    tmp_p, target_p = Path(tmp), resolved_target(target)
     _keep_attributes(target_p, tmp_p)
     if tmp_p.is_dir() and target_p.exists():
         aside = temp_path_beside(target_p)

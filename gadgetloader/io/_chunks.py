@@ -30,6 +30,7 @@ from .._errors import (
     GadgetValueError,
     ReadOnlyError,
 )
+from ._atomic import resolved_target
 
 __all__ = [
     "CHUNK_BYTES",
@@ -92,10 +93,12 @@ def check_sink_target(path: Path, shape: tuple[int, ...], store: str = "file") -
     """
     if not path.parent.exists():
         raise GadgetFileNotFoundError(f"directory {path.parent} does not exist (saving {path})")
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        # a save writes a temporary file beside the target and renames it over it
+    # a save writes a temporary file beside the target (the file a link names) and renames
+    # it over the target
+    folder = resolved_target(path).parent
+    if not os.access(folder, os.W_OK | os.X_OK):
         raise ReadOnlyError(
-            f"cannot save {path}: its directory {path.parent} is not writable (a save writes "
+            f"cannot save {path}: the directory {folder} is not writable (a save writes "
             "a new file there and renames it over the target)"
         )
     if store == "file" and path.exists() and not path.is_file():

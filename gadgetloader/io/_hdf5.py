@@ -179,27 +179,40 @@ if hasattr(os, "register_at_fork"):
 
 
 def _datasets_in(f: Any, h5py: ModuleType) -> list[str]:
-    """The datasets of ``f``, also those reached through external links (which
-    ``visititems`` does not follow); a link whose target cannot be opened is left out."""
+    """The datasets of ``f``, also those reached through external links, to a dataset or
+    into a group (``visititems`` follows neither); a link whose target cannot be opened
+    is left out, and a group reached twice (a cycle of links) is walked once."""
     names: list[str] = []
-    groups: list[tuple[str, Any]] = [("", f)]
+    walked: set[tuple[str, str]] = set()
 
-    def visit(name: str, obj: Any) -> None:
-        if isinstance(obj, h5py.Dataset):
-            names.append(name)
-        elif isinstance(obj, h5py.Group):
-            groups.append((name + "/", obj))
+    def walk(group: Any, prefix: str) -> None:
+        where = (os.path.realpath(group.file.filename), group.name)
+        if where in walked:
+            return
+        walked.add(where)
+        groups: list[tuple[str, Any]] = [("", group)]
 
-    f.visititems(visit)
-    for prefix, group in groups:
-        for key in group:
-            if isinstance(group.get(key, getlink=True), h5py.ExternalLink):
+        def visit(name: str, obj: Any) -> None:
+            if isinstance(obj, h5py.Dataset):
+                names.append(prefix + name)
+            elif isinstance(obj, h5py.Group):
+                groups.append((name + "/", obj))
+
+        group.visititems(visit)
+        for sub, g in groups:
+            for key in g:
+                if not isinstance(g.get(key, getlink=True), h5py.ExternalLink):
+                    continue
                 try:
-                    target = group.get(key)
-                except (KeyError, OSError):  # its file or dataset is missing
+                    target = g.get(key)
+                except (KeyError, OSError):  # its file or object is missing
                     continue
                 if isinstance(target, h5py.Dataset):
-                    names.append(prefix + key)
+                    names.append(prefix + sub + key)
+                elif isinstance(target, h5py.Group):
+                    walk(target, prefix + sub + key + "/")
+
+    walk(f, "")
     return names
 
 

@@ -103,14 +103,14 @@ def open_source(
     Sources keep the absolute path: they open or map the file lazily, which must not
     depend on the process's working directory at that time."""
     path = os.path.abspath(os.fspath(path))
-    fmt = _check_format(format) if format else guess_format(path)
-    if not os.path.exists(path):
-        raise GadgetFileNotFoundError(f"no such file or directory: {path}")
-    _check_dataset(dataset)
-    factory = _REGISTRY[fmt][0]
-    if dataset is not None:
-        kwargs["dataset"] = dataset
     try:
+        fmt = _check_format(format) if format else guess_format(path)
+        if not os.path.exists(path):
+            raise GadgetFileNotFoundError(f"no such file or directory: {path}")
+        _check_dataset(dataset)
+        factory = _REGISTRY[fmt][0]
+        if dataset is not None:
+            kwargs["dataset"] = dataset
         return factory(path, **kwargs)
     except PermissionError as exc:
         if isinstance(exc, GadgetError):

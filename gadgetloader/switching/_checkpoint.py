@@ -341,6 +341,8 @@ def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any
         elif kind == "offloaded_optimizer":
             check_optimizer_kind(meta.get("optimizer"), obj.inner, f"checkpoint object {name!r}")
             _check_optimizer(name, obj.inner, meta["inner"])
+            if meta.get("optimizer") is None:  # written before the class was recorded
+                obj._check_untagged(meta["inner"], f"checkpoint object {name!r}")
         files = {t: os.path.join(d, f) for t, f in entry["tables"].items()}
         for tname, path in files.items():
             if tname in extra:

@@ -941,15 +941,27 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 )
         if not tables and not group["params"]:
             raise GadgetValueError("add_param_group got no parameters and no offloaded embeddings")
-        self.inner.add_param_group(
-            {**group, "params": group["params"] + [m._slot.param for m in tables]}
-        )
-        pagers = [
-            StatePager(
-                self.inner, m._slot.param, m.num_embeddings, placement=m.placement, table=m.table
-            )
-            for m in tables
-        ]
+        slots = [m._slot.param for m in tables]
+        n_groups = list.__len__(self.inner.param_groups)
+        self.inner.add_param_group({**group, "params": group["params"] + slots})
+        try:
+            # a pager probes the group's options with a fresh optimizer (torch checks
+            # them only when one is built): a bad option must leave no group behind
+            pagers = [
+                StatePager(
+                    self.inner,
+                    m._slot.param,
+                    m.num_embeddings,
+                    placement=m.placement,
+                    table=m.table,
+                )
+                for m in tables
+            ]
+        except BaseException:
+            del self.inner.param_groups[n_groups:]
+            for p in [*group["params"], *slots]:
+                self.inner.state.pop(p, None)
+            raise
         if self._prepared is not None:
             self._prepared = self._prepared + [None] * len(tables)
         self.tables = self.tables + tables
@@ -1136,6 +1148,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 f"got keys {keys}"
             )
         check_optimizer_kind(state_dict.get("optimizer"), self.inner, "the state dict")
+        if state_dict.get("optimizer") is None:
+            self._check_untagged(state_dict.get("inner"), "the state dict")
         # check everything before writing anything: a bad state dict changes nothing
         for pager in self.pagers:
             pager.follow_hyper()  # state a scheduler turned on since construction has its table
@@ -1182,6 +1196,32 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             table.store.synchronize()
         for pager in self.pagers:
             pager.mark_loaded()
+
+    def _check_untagged(self, sd: Any, what: str) -> None:
+        """State saved without the optimizer's class (before it was recorded): each table's
+        saved scalar state must be what this optimizer keeps (Adam's ``step`` alone would
+        fail part-way inside NAdam's load, which needs ``mu_product``)."""
+        if not isinstance(sd, dict):
+            return
+        states = sd.get("state") or {}
+        saved_ids = [i for g in sd.get("param_groups") or [] for i in g.get("params", [])]
+        mine = [p for g in list.__iter__(self.inner.param_groups) for p in g["params"]]
+        where = {id(p): k for k, p in enumerate(mine)}
+        for n, (m, pager) in enumerate(zip(self.tables, self.pagers, strict=True)):
+            k = where.get(id(m._slot.param))
+            if k is None or k >= len(saved_ids):
+                continue
+            entry = states.get(saved_ids[k])
+            if not isinstance(entry, dict) or not entry:
+                continue  # saved before its first step
+            saved = set(entry) - set(pager.row_keys)
+            keeps = set(pager.layout.init_scalars)
+            if saved != keeps:
+                raise GadgetValueError(
+                    f"{what}: offloaded table {n}'s saved optimizer state has {sorted(saved)}; "
+                    f"this {optimizer_kind(self.inner)} keeps {sorted(keeps)} (state of "
+                    "another optimizer class?)"
+                )
 
     def _load_inner(self, sd: dict[str, Any]) -> None:
         before = self.inner.state_dict()

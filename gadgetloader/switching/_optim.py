@@ -75,11 +75,14 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
 
 def check_optimizer_kind(saved: Any, optimizer: torch.optim.Optimizer, what: str) -> None:
     """Refuse optimizer state saved by another optimizer class (``saved``: its tag, or
-    None for state saved without one, which is let through)."""
+    None for state saved without one, which is let through; the same class name in
+    another module is taken)."""
     if saved is None:
         return
     mine = optimizer_kind(optimizer)
-    if saved != mine:
+    # the class's name decides, not its module: a class defined in a training script
+    # (``__main__.MyAdam``) resumes from the module it was moved to
+    if saved != mine and not str(saved).endswith("." + type(optimizer).__qualname__):
         raise GadgetValueError(
             f"{what} holds the state of a {saved} optimizer; this optimizer is a {mine} "
             "(build the optimizer that saved it to load it)"

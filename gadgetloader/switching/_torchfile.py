@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .._errors import GadgetFileError, GadgetFileNotFoundError, GadgetValueError, ReadOnlyError
-from ..io._atomic import remove_path, replace_atomically, temp_path_beside
+from ..io._atomic import remove_path, replace_atomically, resolved_target, temp_path_beside
 
 __all__ = ["check_tensor", "load_torch_file", "save_torch_file", "table_tensor"]
 
@@ -19,11 +19,11 @@ def save_torch_file(obj: Any, path: str | os.PathLike[str]) -> None:
     target = os.fspath(path)
     if os.path.isdir(target):
         raise GadgetValueError(f"saveTorch needs a file path; {target} is a directory")
-    folder = os.path.dirname(os.path.abspath(target))
+    folder = os.fspath(resolved_target(os.path.abspath(target)).parent)  # a link: its file's
     if not os.path.isdir(folder):
         raise GadgetFileNotFoundError(f"directory {folder} does not exist (saving {target})")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise ReadOnlyError(f"cannot save {target}: its directory {folder} is not writable")
+        raise ReadOnlyError(f"cannot save {target}: the directory {folder} is not writable")
     tmp = temp_path_beside(target)
     try:
         torch.save(obj, tmp)
