@@ -51,6 +51,10 @@ def resolve_device(device: Any) -> torch.device:
         raise GadgetTypeError(
             f"device must be a torch.device, a string or a CUDA index; got {type(device).__name__}"
         )
+    if isinstance(device, int) and not isinstance(device, bool):
+        if device < 0:
+            raise GadgetTypeError(f"unsupported device {device!r}; a CUDA index is >= 0")
+        device = f"cuda:{device}"  # a CUDA index, as torch reads it on a CUDA machine
     try:
         dev = torch.device(device)
     except RuntimeError as exc:

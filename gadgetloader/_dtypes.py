@@ -82,7 +82,8 @@ def as_torch_dtype(dtype: Any) -> torch.dtype:
                     " (torch cannot index unsigned integers wider than 8 bits on every "
                     "version gadgetloader supports; "
                     + (
-                        f"pass dtype='{wider}' with an array source, or convert the file to {wider})"
+                        f"convert the array first, e.g. DataGadget(arr, dtype='{wider}') "
+                        f"or arr.astype('{wider}'), or convert the file to {wider})"
                         if wider
                         else "convert to int64 where the values fit)"
                     )

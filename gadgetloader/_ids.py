@@ -84,7 +84,12 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
         except Exception:
             return torch.as_tensor(indexes, device="cuda")
     if isinstance(indexes, (int, np.integer)) and not isinstance(indexes, bool):
-        return torch.tensor(int(indexes), dtype=torch.int64)
+        v = int(indexes)
+        if v > np.iinfo(np.int64).max:
+            raise GadgetIndexError("ids larger than 2**63-1 cannot address any table")
+        if v < np.iinfo(np.int64).min:
+            raise GadgetIndexError(f"id {v} is negative: ids address rows from 0")
+        return torch.tensor(v, dtype=torch.int64)
     if isinstance(indexes, range):
         if len(indexes) == 0:  # also a step pointing the other way, as Python's
             return torch.empty(0, dtype=torch.int64)
@@ -167,6 +172,11 @@ def check_range(ids: torch.Tensor, num_rows: int) -> None:
     if lo_v < 0 or hi_v >= num_rows:
         bad = lo_v if lo_v < 0 else hi_v
         what = "negative" if bad < 0 else "out of range"
+        if num_rows == 0:
+            raise GadgetIndexError(
+                f"id {bad} is {what}: this table has no rows, so no id addresses one; "
+                "nothing was read or written"
+            )
         raise GadgetIndexError(
             f"id {bad} is {what}: this table has {num_rows} rows, so ids must be in "
             f"[0, {num_rows - 1}] (ids seen: min {lo_v}, max {hi_v}); nothing was read or written"

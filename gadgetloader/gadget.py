@@ -42,13 +42,13 @@ def as_tensor_data(data: Any, what: str = "data") -> torch.Tensor:
             data = data.astype(data.dtype.newbyteorder("="))
         if not data.flags.writeable:
             data = data.copy()
+        if data.dtype.name == "bfloat16" and data.dtype.itemsize == 2:  # ml_dtypes.bfloat16
+            return torch.from_numpy(np.require(data, requirements="C").view(np.int16)).view(
+                torch.bfloat16
+            )
         if data.dtype.hasobject or data.dtype.kind in "OSUVMmc":
             raise GadgetTypeError(
                 f"{what} has dtype {data.dtype}, which is not supported for a table; expected a numeric or bool dtype"
-            )
-        if data.dtype.name == "bfloat16":
-            return torch.from_numpy(np.require(data, requirements="C").view(np.int16)).view(
-                torch.bfloat16
             )
         as_torch_dtype(data.dtype)  # raises for unsupported dtypes
         return torch.from_numpy(np.require(data, requirements="C"))
@@ -172,6 +172,8 @@ class DataGadget:
         **options: Any,
     ) -> None:
         requested = placement if placement is not None else ("pinned" if CPUPinn else "cuda")
+        if isinstance(requested, str):
+            requested = requested.lower()  # placement names are case-insensitive
         self._placement_requested = requested
         self._device = resolve_device(device)
         if strategy not in STRATEGIES:
@@ -190,8 +192,24 @@ class DataGadget:
                 "DataGadget needs a source: a file path, an array or tensor, or a shape "
                 "(e.g. DataGadget((1000, 128), dtype='float32'))"
             )
+        if not isinstance(fileName, (str, os.PathLike)):
+            # what only a file source takes must not be dropped silently (writable=False
+            # on an array would give a writable table)
+            if options:
+                raise GadgetTypeError(
+                    f"unexpected options {sorted(options)}: they apply to a table opened from "
+                    "a file path (placement='file'), not to an array, tensor or shape"
+                )
+            if dataset is not None or format is not None:
+                given = "dataset=" if dataset is not None else "format="
+                raise GadgetValueError(
+                    f"{given} applies to a file path; this source is an array, tensor or shape"
+                )
         if fileName is None or _is_shape(fileName):
-            shp = tuple(int(s) for s in (shape if shape is not None else fileName))
+            raw = shape if shape is not None else fileName
+            if not (isinstance(raw, (tuple, list)) and _is_shape(tuple(raw))):
+                raise GadgetTypeError(f"shape must be a tuple of non-negative ints; got {raw!r}")
+            shp = tuple(int(s) for s in raw)
             if any(s < 0 for s in shp):
                 raise GadgetValueError(f"shape must be non-negative; got {shp}")
             self._store: Store = empty_store(
@@ -601,10 +619,17 @@ class DataGadget:
     def fill_(self, value: float) -> DataGadget:
         return self.init_(torch.Tensor.fill_, value)
 
+    def _check_float(self, what: str) -> None:
+        if not self.dtype.is_floating_point:
+            raise GadgetTypeError(
+                f"{what} fills a floating-point table; this one is {dtype_name(self.dtype)}"
+            )
+
     def uniform_(
         self, low: float = 0.0, high: float = 1.0, *, generator: torch.Generator | None = None
     ) -> DataGadget:
-        """Fill the table from U(low, high) (``low <= high``)."""
+        """Fill the table from U(low, high) (``low <= high``; floating-point tables)."""
+        self._check_float("uniform_")
         if not low <= high:
             raise GadgetValueError(f"uniform_ needs low <= high; got low={low}, high={high}")
         return self.init_(torch.Tensor.uniform_, low, high, generator=generator)
@@ -612,7 +637,8 @@ class DataGadget:
     def normal_(
         self, mean: float = 0.0, std: float = 1.0, *, generator: torch.Generator | None = None
     ) -> DataGadget:
-        """Fill the table from N(mean, std**2) (``std >= 0``)."""
+        """Fill the table from N(mean, std**2) (``std >= 0``; floating-point tables)."""
+        self._check_float("normal_")
         if not std >= 0:
             raise GadgetValueError(f"normal_ needs std >= 0; got std={std}")
         return self.init_(torch.Tensor.normal_, mean, std, generator=generator)

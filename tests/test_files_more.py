@@ -324,12 +324,24 @@ def test_object_and_string_dtypes(tmp_path: Path) -> None:
 @pytest.mark.parametrize("placement", ["cpu", "file"])
 def test_zero_row_table(tmp_path: Path, ext: str, placement: str) -> None:
     path = tmp_path / f"z{ext}"
+    empty = np.empty((0, 4), dtype=np.float32)
     if ext == ".npy":
-        np.save(path, np.empty((0, 4), dtype=np.float32))
+        np.save(path, empty)
+    elif ext == ".zarr":
+        import zarr
+
+        zarr.create_array(str(path), shape=empty.shape, dtype=empty.dtype)
     else:
-        write(np.empty((0, 4), dtype=np.float32), path)
+        import h5py
+
+        with h5py.File(path, "w") as f:
+            f.create_dataset("data", data=empty)
     with pytest.raises(gl.GadgetValueError, match=rf"{path}.*zero rows"):
         gl.DataGadget(path, placement=placement)
+    # so gadgetloader writes no such file either
+    with pytest.raises(gl.GadgetValueError, match="zero rows"):
+        gl.DataGadget(empty, placement="cpu").save(tmp_path / f"again{ext}")
+    assert not (tmp_path / f"again{ext}").exists()
 
 
 # ---- convert ---------------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import os
 import pickle
 import signal
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -572,3 +573,111 @@ def test_ranges_with_huge_steps_give_their_one_row():
     assert g.getData(range(9, 2**63 + 5, 2**63)).tolist() == [9.0]
     ds = gl.GadgetDataset(np.arange(10, dtype=np.float32))
     assert ds[:: 2**64][0].tolist() == [0.0] and ds[:: -(2**64)][0].tolist() == [9.0]
+
+
+# ---- rows API and pipeline (third and fourth reviews) ---------------------------------------
+
+
+def test_options_only_a_file_takes_are_refused_for_arrays_and_shapes():
+    a = np.zeros((4, 2), np.float32)
+    with pytest.raises(gl.GadgetTypeError, match="writable"):
+        gl.DataGadget(a, writable=False, placement="cpu")
+    with pytest.raises(gl.GadgetTypeError, match="plcement"):
+        gl.DataGadget(a, plcement="file")
+    with pytest.raises(gl.GadgetValueError, match="dataset="):
+        gl.DataGadget(a, dataset="emb", placement="cpu")
+    with pytest.raises(gl.GadgetValueError, match="format="):
+        gl.DataGadget((3, 2), format="zarr", placement="cpu")
+
+
+@pytest.mark.parametrize("shape", ["12", (2.9, 3), (True, 3), 5])
+def test_the_shape_keyword_is_checked_like_a_shape_argument(shape):
+    with pytest.raises(gl.GadgetTypeError, match="shape"):
+        gl.DataGadget(shape=shape, placement="cpu")
+    if isinstance(shape, tuple):
+        with pytest.raises(gl.GadgetTypeError, match="shape"):
+            gl.DataGadget.zeros(shape, placement="cpu")
+    assert gl.DataGadget(shape=[2, 3], placement="cpu").shape == (2, 3)
+
+
+@pytest.mark.parametrize("bad", [2**70, np.uint64(2**63), -(2**70)])
+def test_a_scalar_id_beyond_int64_is_an_index_error(bad):
+    g = gl.DataGadget(np.zeros((4, 2), np.float32), placement="cpu")
+    with pytest.raises(gl.GadgetIndexError):
+        g.getData(bad)
+    with pytest.raises(gl.GadgetIndexError):
+        g[bad] = torch.zeros(2)
+
+
+def test_ml_dtypes_bfloat16_arrays_are_tables():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    b = np.array([[1.5, 2.0], [-3.0, 0.25]], dtype=ml_dtypes.bfloat16)
+    g = gl.DataGadget(b, placement="cpu")
+    assert g.dtype == torch.bfloat16
+    assert g.getData([0, 1]).float().tolist() == [[1.5, 2.0], [-3.0, 0.25]]
+    h = gl.DataGadget((2, 2), dtype="bfloat16", placement="cpu")
+    h.insertData(b[::-1].copy(), [0, 1])
+    assert h.getData([1]).float().tolist() == [[1.5, 2.0]]
+
+
+def test_placement_names_are_case_insensitive_from_a_path(tmp_path):
+    path = tmp_path / "x.npy"
+    np.save(path, np.arange(6, dtype=np.float32).reshape(3, 2))
+    g = gl.DataGadget(str(path), placement="FILE", cache_bytes=1 << 20)
+    assert g.placement == "file" and g.getData([2]).tolist() == [[4.0, 5.0]]
+    g.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback of a CUDA index")
+def test_a_cuda_index_falls_back_to_the_cpu_like_cuda_n():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gl.FallbackWarning)  # once per process
+        g = gl.DataGadget(np.zeros((2, 2), np.float32), device=0, placement="cpu")
+    assert g.device == torch.device("cpu")
+    with pytest.raises(gl.GadgetTypeError):
+        gl.DataGadget(np.zeros((2, 2), np.float32), device=-1, placement="cpu")
+
+
+@pytest.mark.parametrize("dtype", ["int32", "bool"])
+def test_random_fills_need_a_float_table(dtype):
+    g = gl.DataGadget((2, 2), dtype=dtype, placement="cpu")
+    for fill in (g.normal_, g.uniform_):
+        with pytest.raises(gl.GadgetTypeError, match="floating-point"):
+            fill()
+    assert not g.getNumpyVersion().any()
+
+
+def test_zero_row_tables_say_so(tmp_path):
+    z = gl.DataGadget((0, 4), placement="cpu")
+    with pytest.raises(gl.GadgetIndexError, match="no rows"):
+        z.getData([0])
+    with pytest.raises(gl.GadgetValueError, match="zero rows"):
+        z.save(str(tmp_path / "z.npy"))
+    assert not (tmp_path / "z.npy").exists()
+
+
+def test_loader_state_follows_the_sampler_moved_after_an_early_break():
+    ds = gl.GadgetDataset(np.arange(40, dtype=np.float32))
+    sampler = gl.GadgetSampler(ds, batch_size=4, seed=3)
+    loader = gl.GadgetLoader(ds, sampler=sampler)
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    sampler.set_epoch(1)  # a DistributedSampler-style loop
+    state = loader.state_dict()
+    assert state["sampler"] == sampler.state_dict()
+    assert state["sampler"]["epoch"] == 1 and state["sampler"]["position"] == 0
+    whole = [b[0].tolist() for b in loader]
+    resumed = gl.GadgetLoader(ds, sampler=gl.GadgetSampler(ds, batch_size=4, seed=3))
+    resumed.load_state_dict(state)
+    assert [b[0].tolist() for b in resumed] == whole
+
+
+def test_sampler_flags_must_be_bools_and_bad_states_say_what_is_missing():
+    with pytest.raises(gl.GadgetTypeError, match="drop_last"):
+        gl.GadgetSampler(10, batch_size=2, drop_last="no")
+    with pytest.raises(gl.GadgetTypeError, match="pad"):
+        gl.GadgetSampler(10, batch_size=2, pad=1)
+    s = gl.GadgetSampler(10, batch_size=2)
+    with pytest.raises(gl.GadgetValueError, match="without 'position'"):
+        s.load_state_dict({"epoch": 1})

@@ -228,9 +228,12 @@ class GadgetLoader:
     # ---- resume ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch handed out (prefetched batches do not count)."""
-        if self._active is not None:
-            epoch, start, handed = self._active[:3]
+        active = self._active
+        if active is not None and active[3] == getattr(self._sampler, "_changes", 0):
+            epoch, start, handed = active[:3]
             return {"sampler": self._sampler._state(epoch, start + handed)}
+        # no pass, or the sampler was moved since (its set_epoch / load_state_dict): the
+        # next iter() follows the sampler, and so does the state
         return {"sampler": self._sampler.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -265,8 +265,10 @@ class GadgetSampler(Sampler[Any]):
     then taken ``window_chunks`` at a time and the rows of each window are
     shuffled together. All rows of a chunk are therefore requested within one
     window (``window_chunks * chunk_rows`` consecutive positions), so a store
-    whose cache holds a window (a file store's ``cache_bytes``, 256 MiB by
-    default) reads each chunk once per epoch. The price is randomness: a batch draws from only ``window_chunks``
+    whose cache holds two windows (a file store's ``cache_bytes``, 256 MiB by
+    default; a batch that straddles two windows needs chunks of both) reads each
+    chunk once per epoch; with room for only one window, chunks at window
+    boundaries are read again. The price is randomness: a batch draws from only ``window_chunks``
     chunks, so rows that are stored together (sorted by label, time, user...)
     stay correlated within a window. Larger windows approach a full shuffle and
     need more read-ahead memory; ``window_chunks >= num_chunks`` is a full shuffle.
@@ -326,6 +328,9 @@ class GadgetSampler(Sampler[Any]):
         if order not in ORDERS:
             raise GadgetKeyError(f"Unknown order {order!r}; expected one of {list(ORDERS)}")
         self._order = order
+        for name, flag in (("drop_last", drop_last), ("pad", pad)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise GadgetTypeError(f"{name} must be True or False; got {flag!r}")
         self._drop_last = bool(drop_last)
         self._pad = bool(pad)
         if self._drop_last and self._pad:
@@ -618,9 +623,14 @@ class GadgetSampler(Sampler[Any]):
             order or chunk layout (the positions would mean different rows).
         """
         if not isinstance(state_dict, dict) or "position" not in state_dict:
+            got = (
+                f"a dict without 'position' (keys {sorted(map(str, state_dict))})"
+                if isinstance(state_dict, dict)
+                else type(state_dict).__name__
+            )
             raise GadgetValueError(
                 "not a GadgetSampler state: expected a dict from GadgetSampler.state_dict(); "
-                f"got {type(state_dict).__name__}"
+                f"got {got}"
             )
         if state_dict.get("version") != _STATE_VERSION:
             raise GadgetValueError(

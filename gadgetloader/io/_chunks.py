@@ -91,6 +91,12 @@ def check_sink_target(path: Path, shape: tuple[int, ...], store: str = "file") -
     save replaces what is there, and must never replace a user's directory or file of
     another kind.
     """
+    if len(shape) and int(shape[0]) == 0:
+        # a file with no rows is refused when opened (nothing to load), so none is written
+        raise GadgetValueError(
+            f"cannot save {path}: the table has zero rows {tuple(shape)}, and a zero-row file "
+            "cannot be loaded back"
+        )
     if not path.parent.exists():
         raise GadgetFileNotFoundError(f"directory {path.parent} does not exist (saving {path})")
     # a save writes a temporary file beside the target (the file a link names) and renames

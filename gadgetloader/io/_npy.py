@@ -182,7 +182,8 @@ class NpySink(ArraySink):
         if dtype == torch.bfloat16:
             raise GadgetTypeError(
                 "NumPy has no bfloat16 dtype, so a bfloat16 table has no .npy form; save it to "
-                "HDF5 or zarr (bit-exact), or convert it with .to(torch.float32) first"
+                "HDF5 or zarr (bit-exact), or save a float32 copy, e.g. "
+                "DataGadget(table.as_tensor().float(), placement='cpu').save(path)"
             )
         self.path = Path(path)
         self.shape = check_sink_target(self.path, shape)
