@@ -6,6 +6,7 @@ import functools
 import warnings
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ._errors import FallbackWarning, GadgetKeyError, GadgetTypeError, MissingDependencyError
@@ -47,11 +48,14 @@ def resolve_device(device: Any) -> torch.device:
     with one warning where CUDA is missing); anything else as ``torch.device``."""
     if device is None:
         return default_device()
-    if not isinstance(device, (str, int, torch.device)):
+    if isinstance(device, (bool, np.bool_)) or not isinstance(
+        device, (str, int, np.integer, torch.device)
+    ):
         raise GadgetTypeError(
             f"device must be a torch.device, a string or a CUDA index; got {type(device).__name__}"
         )
-    if isinstance(device, int) and not isinstance(device, bool):
+    if isinstance(device, (int, np.integer)):
+        device = int(device)
         if device < 0:
             raise GadgetTypeError(f"unsupported device {device!r}; a CUDA index is >= 0")
         device = f"cuda:{device}"  # a CUDA index, as torch reads it on a CUDA machine

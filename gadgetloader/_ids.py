@@ -91,18 +91,24 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
             raise GadgetIndexError(f"id {v} is negative: ids address rows from 0")
         return torch.tensor(v, dtype=torch.int64)
     if isinstance(indexes, range):
-        if len(indexes) == 0:  # also a step pointing the other way, as Python's
+        # (no len(): a range may be longer than sys.maxsize)
+        if not indexes:  # also a step pointing the other way, as Python's
             return torch.empty(0, dtype=torch.int64)
-        lo, hi = min(indexes[0], indexes[-1]), max(indexes[0], indexes[-1])
+        first, last = indexes[0], indexes[-1]
+        lo, hi = min(first, last), max(first, last)
         if hi > np.iinfo(np.int64).max:
             raise GadgetIndexError("ids larger than 2**63-1 cannot address any table")
         if lo < 0:
             raise GadgetIndexError(f"id {lo} is negative: ids address rows from 0")
-        if len(indexes) == 1:  # any step (also one beyond int64)
-            return torch.tensor([indexes[0]], dtype=torch.int64)
-        # every id lies in [0, 2**63), so the step and k * step do too (a stop beyond int64
-        # would not be a valid arange end)
-        return torch.arange(len(indexes), dtype=torch.int64) * indexes.step + indexes[0]
+        if first == last:  # one id, with any step (also one beyond int64)
+            return torch.tensor([first], dtype=torch.int64)
+        # every id lies in [0, 2**63), so does the step; arange's end is one step past the
+        # last id, which may lie beyond int64 only by less than a step: then build it from 0
+        end = last + indexes.step
+        if np.iinfo(np.int64).min <= end <= np.iinfo(np.int64).max:
+            return torch.arange(first, end, indexes.step, dtype=torch.int64)
+        out = torch.arange(len(indexes), dtype=torch.int64)
+        return out.mul_(indexes.step).add_(first)
     if isinstance(indexes, (list, tuple)):
         if len(indexes) == 0:
             return torch.empty(0, dtype=torch.int64)
@@ -245,7 +251,7 @@ def as_ids(
     GadgetIndexError
         A negative id or one ``>= num_rows``.
     """
-    if isinstance(indexes, range) and len(indexes):
+    if isinstance(indexes, range) and indexes:
         # checked from its ends before it is built (a range far past the table would
         # first take gigabytes)
         top = max(indexes[0], indexes[-1])

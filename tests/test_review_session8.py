@@ -681,3 +681,93 @@ def test_sampler_flags_must_be_bools_and_bad_states_say_what_is_missing():
     s = gl.GadgetSampler(10, batch_size=2)
     with pytest.raises(gl.GadgetValueError, match="without 'position'"):
         s.load_state_dict({"epoch": 1})
+
+
+# ---- fifth review: what the fourth round's fixes missed -------------------------------------
+
+
+def test_naming_a_dataset_does_not_list_the_file(tmp_path, monkeypatch):
+    h5py = pytest.importorskip("h5py")
+    import gadgetloader.io._hdf5 as h5mod
+
+    path = tmp_path / "m.h5"
+    with h5py.File(path, "w") as f:
+        f["local"] = np.ones((3, 2), np.float32)
+        f["other"] = np.zeros((3, 2), np.float32)
+
+    def no_listing(*a, **k):
+        raise AssertionError("the file was listed although dataset= named the array")
+
+    monkeypatch.setattr(h5mod, "_datasets_in", no_listing)
+    assert gl.DataGadget(str(path), dataset="local", placement="cpu").shape == (3, 2)
+
+
+def test_aliases_through_external_links_are_listed_once(tmp_path):
+    h5py = pytest.importorskip("h5py")
+    own = tmp_path / "self.h5"
+    with h5py.File(own, "w") as f:
+        f.create_dataset("data/emb", data=np.ones((3, 2), np.float32))
+        f["alias"] = h5py.ExternalLink(str(own), "/data")
+    assert gl.DataGadget(str(own), placement="cpu").shape == (3, 2)  # one dataset
+    with h5py.File(tmp_path / "shared.h5", "w") as f:
+        f.create_dataset("g/x", data=np.ones((4, 2), np.float32))
+    two = tmp_path / "two.h5"
+    with h5py.File(two, "w") as f:
+        f["a"] = h5py.ExternalLink(str(tmp_path / "shared.h5"), "/g")
+        f["b"] = h5py.ExternalLink(str(tmp_path / "shared.h5"), "/g")
+    assert gl.DataGadget(str(two), placement="cpu").shape == (4, 2)
+    assert gl.DataGadget(str(two), dataset="b/x", placement="cpu").shape == (4, 2)
+
+
+class Adam(torch.optim.NAdam):
+    """Named like torch's Adam, but NAdam underneath."""
+
+
+def test_a_same_named_class_of_another_optimizer_is_refused(tmp_path):
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 1)
+    o = torch.optim.Adam(lin.parameters(), lr=0.1)
+    lin(torch.ones(2, 3)).sum().backward()
+    o.step()
+    gl.save_checkpoint(str(tmp_path / "ck"), {"m": lin, "o": o})
+    lin2 = nn.Linear(3, 1)
+    w = lin2.weight.detach().clone()
+    o2 = Adam(lin2.parameters(), lr=0.1)
+    with pytest.raises(gl.GadgetValueError, match="torch.optim.adam.Adam optimizer"):
+        gl.load_checkpoint(str(tmp_path / "ck"), {"m": lin2, "o": o2})
+    assert torch.equal(lin2.weight, w)
+
+
+def test_a_link_into_a_missing_folder_is_not_found(tmp_path):
+    link = tmp_path / "dangling.npy"
+    link.symlink_to(tmp_path / "nodir" / "x.npy")
+    with pytest.raises(gl.GadgetFileNotFoundError, match="does not exist"):
+        gl.DataGadget(np.ones((2, 2), np.float32), placement="cpu").save(str(link))
+
+
+@pytest.mark.parametrize("bad", [True, False, np.bool_(True), 1.0])
+def test_device_bools_and_floats_are_type_errors(bad):
+    with pytest.raises(gl.GadgetTypeError, match="device"):
+        gl.DataGadget((2, 2), placement="cpu", device=bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback of a CUDA index")
+def test_a_numpy_cuda_index_is_a_cuda_index():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gl.FallbackWarning)
+        assert gl.DataGadget((2, 2), placement="cpu", device=np.int64(0)).device.type == "cpu"
+
+
+def test_ranges_longer_than_sys_maxsize_are_index_errors():
+    g = gl.DataGadget(np.zeros((4, 2), np.float32), placement="cpu")
+    for r in (range(0, 2**64), range(0, 2**63)):
+        with pytest.raises(gl.GadgetIndexError):
+            g.getData(r)
+    assert g.getData(range(3, -1, -1)).shape == (4, 2)
+
+
+def test_dataset_placement_names_are_case_insensitive():
+    ds = gl.GadgetDataset(np.arange(8, dtype=np.float32).reshape(4, 2), placement="CPU")
+    assert ds[[1]][0].tolist() == [[2.0, 3.0]]
+    ds2 = gl.GadgetDataset(np.arange(4), placement="FILE")  # arrays go to memory
+    assert ds2[[3]][0].tolist() == [3]

@@ -182,6 +182,8 @@ class GadgetDataset(Dataset[Any]):
     ) -> DataGadget:
         if isinstance(col, DataGadget):
             return col
+        if isinstance(placement, str):
+            placement = placement.lower()  # placement names are case-insensitive
         if isinstance(col, (str, os.PathLike)):
             where = placement or _auto_placement(col, self._device)
             g = DataGadget(col, placement=where, device=self._device, **options)

@@ -267,8 +267,9 @@ class GadgetSampler(Sampler[Any]):
     window (``window_chunks * chunk_rows`` consecutive positions), so a store
     whose cache holds two windows (a file store's ``cache_bytes``, 256 MiB by
     default; a batch that straddles two windows needs chunks of both) reads each
-    chunk once per epoch; with room for only one window, chunks at window
-    boundaries are read again. The price is randomness: a batch draws from only ``window_chunks``
+    chunk once per epoch, as long as a batch is no larger than a window (the
+    default ``window_chunks`` makes a window at least 16 batches); with room for
+    only one window, chunks at window boundaries are read again. The price is randomness: a batch draws from only ``window_chunks``
     chunks, so rows that are stored together (sorted by label, time, user...)
     stay correlated within a window. Larger windows approach a full shuffle and
     need more read-ahead memory; ``window_chunks >= num_chunks`` is a full shuffle.

@@ -102,6 +102,8 @@ def check_sink_target(path: Path, shape: tuple[int, ...], store: str = "file") -
     # a save writes a temporary file beside the target (the file a link names) and renames
     # it over the target
     folder = resolved_target(path).parent
+    if not folder.is_dir():  # a link into a folder that does not exist
+        raise GadgetFileNotFoundError(f"directory {folder} does not exist (saving {path})")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ReadOnlyError(
             f"cannot save {path}: the directory {folder} is not writable (a save writes "

@@ -178,24 +178,37 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_close_before_fork)
 
 
+def _object_key(obj: Any, h5py: ModuleType) -> tuple[Any, ...]:
+    """One HDF5 object however it is reached: its file and header address."""
+    home = os.path.realpath(obj.file.filename)
+    addr = getattr(h5py.h5o.get_info(obj.id), "addr", None)
+    return (home, addr) if addr is not None else (home, obj.name)
+
+
 def _datasets_in(f: Any, h5py: ModuleType) -> list[str]:
-    """The datasets of ``f``, also those reached through external links, to a dataset or
-    into a group (``visititems`` follows neither); a link whose target cannot be opened
-    is left out, and a group reached twice (a cycle of links) is walked once."""
+    """The datasets of ``f``, each once (under the first name found), also those reached
+    through external links, to a dataset or into a group (``visititems`` follows
+    neither); a link whose target cannot be opened is left out, and a group reached
+    again (an alias, a cycle of links) is not walked again."""
     names: list[str] = []
-    walked: set[tuple[str, str]] = set()
+    found: set[tuple[Any, ...]] = set()
+    walked: set[tuple[Any, ...]] = set()
+
+    def add(name: str, obj: Any) -> None:
+        key = _object_key(obj, h5py)
+        if key not in found:
+            found.add(key)
+            names.append(name)
 
     def walk(group: Any, prefix: str) -> None:
-        where = (os.path.realpath(group.file.filename), group.name)
-        if where in walked:
-            return
-        walked.add(where)
         groups: list[tuple[str, Any]] = [("", group)]
+        walked.add(_object_key(group, h5py))
 
         def visit(name: str, obj: Any) -> None:
             if isinstance(obj, h5py.Dataset):
-                names.append(prefix + name)
+                add(prefix + name, obj)
             elif isinstance(obj, h5py.Group):
+                walked.add(_object_key(obj, h5py))
                 groups.append((name + "/", obj))
 
         group.visititems(visit)
@@ -208,8 +221,8 @@ def _datasets_in(f: Any, h5py: ModuleType) -> list[str]:
                 except (KeyError, OSError):  # its file or object is missing
                     continue
                 if isinstance(target, h5py.Dataset):
-                    names.append(prefix + sub + key)
-                elif isinstance(target, h5py.Group):
+                    add(prefix + sub + key, target)
+                elif isinstance(target, h5py.Group) and _object_key(target, h5py) not in walked:
                     walk(target, prefix + sub + key + "/")
 
     walk(f, "")
@@ -296,8 +309,10 @@ class Hdf5Source(ArraySource):
         self._all_raw = False
         f = self._open_file(h5py)
         try:
-            names = _datasets_in(f, h5py)
+            # the listing opens every externally linked file: only when it is needed
+            names = _datasets_in(f, h5py) if dataset is None else None
             if dataset is None:
+                assert names is not None
                 if len(names) != 1:
                     what = "no datasets" if not names else f"{len(names)} datasets: {names}"
                     raise GadgetKeyError(f"{self.path} holds {what}; pass dataset= to choose one")
@@ -313,6 +328,8 @@ class Hdf5Source(ArraySource):
                         f"{self.path}[{dataset!r}] is an external link to {link}, which cannot "
                         "be opened (is that file missing?)"
                     )
+                if names is None:
+                    names = _datasets_in(f, h5py)
                 raise GadgetKeyError(
                     f"{self.path} has no dataset {dataset!r}; datasets in the file: {names}"
                 )

@@ -35,7 +35,7 @@ from ..gadget import DataGadget
 from . import _embedding
 from ._embedding import OffloadedOptimizer, _OffloadedTable
 from ._model import ModelSwitch
-from ._optim import OptimizerSwitch, check_optimizer_kind, optimizer_kind
+from ._optim import OptimizerSwitch, check_optimizer_kind, optimizer_tags
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -66,7 +66,7 @@ def _parts(obj: Any) -> tuple[str, dict[str, DataGadget], Any]:
         return (
             "offloaded_optimizer",
             tables,
-            {"inner": obj._inner_state_without_rows(), "optimizer": optimizer_kind(obj.inner)},
+            {"inner": obj._inner_state_without_rows(), **optimizer_tags(obj.inner)},
         )
     if isinstance(obj, nn.Module):
         tables = {
@@ -85,7 +85,7 @@ def _parts(obj: Any) -> tuple[str, dict[str, DataGadget], Any]:
         sd = {k: v for k, v in sd.items() if k not in paged}
         return "module", tables, {"state_dict": sd}
     if isinstance(obj, torch.optim.Optimizer):
-        return "optimizer", {}, {"state_dict": obj.state_dict(), "optimizer": optimizer_kind(obj)}
+        return "optimizer", {}, {"state_dict": obj.state_dict(), **optimizer_tags(obj)}
     raise GadgetTypeError(
         "save_checkpoint takes ModelSwitch / ModelFactory, OptimizerSwitch / OptimizerFactory, "
         f"OffloadedOptimizer, nn.Module or torch optimizer objects; got {type(obj).__name__}"
@@ -336,10 +336,10 @@ def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any
                     "overwrite it); load before the forward or after step()"
                 )
         elif kind == "optimizer":
-            check_optimizer_kind(meta.get("optimizer"), obj, f"checkpoint object {name!r}")
+            check_optimizer_kind(meta, obj, f"checkpoint object {name!r}")
             _check_optimizer(name, obj, meta["state_dict"])
         elif kind == "offloaded_optimizer":
-            check_optimizer_kind(meta.get("optimizer"), obj.inner, f"checkpoint object {name!r}")
+            check_optimizer_kind(meta, obj.inner, f"checkpoint object {name!r}")
             _check_optimizer(name, obj.inner, meta["inner"])
             if meta.get("optimizer") is None:  # written before the class was recorded
                 obj._check_untagged(meta["inner"], f"checkpoint object {name!r}")

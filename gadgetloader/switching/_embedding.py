@@ -28,7 +28,13 @@ from .._ids import as_ids, range_check_of
 from ..gadget import DataGadget
 from ..stores._base import FusedRows
 from ..stores._base import gather_many as gather_stores
-from ._optim import StatePager, check_optimizer_kind, optimizer_kind, supported_name
+from ._optim import (
+    StatePager,
+    check_optimizer_kind,
+    optimizer_kind,
+    optimizer_tags,
+    supported_name,
+)
 from ._rows import RowPlan, exact_plan, plan_rows, plan_rows_async
 from ._torchfile import table_tensor
 
@@ -1131,7 +1137,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             "tables": [
                 {k: table_tensor(t) for k, t in pager.tables.items()} for pager in self.pagers
             ],
-            "optimizer": optimizer_kind(self.inner),
+            **optimizer_tags(self.inner),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1139,7 +1145,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         class; anything else is refused before any state changes)."""
         if (
             not isinstance(state_dict, dict)
-            or not {"inner", "tables"} <= set(state_dict) <= {"inner", "tables", "optimizer"}
+            or not {"inner", "tables"}
+            <= set(state_dict)
+            <= {"inner", "tables", "optimizer", "optimizer_base"}
             or len(state_dict["tables"]) != len(self.pagers)
         ):
             keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
@@ -1147,7 +1155,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 f"expected an OffloadedOptimizer state_dict for {len(self.pagers)} offloaded tables; "
                 f"got keys {keys}"
             )
-        check_optimizer_kind(state_dict.get("optimizer"), self.inner, "the state dict")
+        check_optimizer_kind(state_dict, self.inner, "the state dict")
         if state_dict.get("optimizer") is None:
             self._check_untagged(state_dict.get("inner"), "the state dict")
         # check everything before writing anything: a bad state dict changes nothing

@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -73,20 +73,43 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def check_optimizer_kind(saved: Any, optimizer: torch.optim.Optimizer, what: str) -> None:
-    """Refuse optimizer state saved by another optimizer class (``saved``: its tag, or
-    None for state saved without one, which is let through; the same class name in
-    another module is taken)."""
-    if saved is None:
+def _torch_base(optimizer: torch.optim.Optimizer) -> str | None:
+    """The torch optimizer class ``optimizer`` is or derives from (its name)."""
+    for base in type(optimizer).__mro__:
+        if base.__module__.startswith("torch.optim") and base is not torch.optim.Optimizer:
+            return base.__qualname__
+    return None
+
+
+def optimizer_tags(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The entries a saved optimizer state carries about its optimizer: the class and the
+    torch optimizer it is (or derives from)."""
+    return {"optimizer": optimizer_kind(optimizer), "optimizer_base": _torch_base(optimizer)}
+
+
+def check_optimizer_kind(
+    saved: Mapping[str, Any], optimizer: torch.optim.Optimizer, what: str
+) -> None:
+    """Refuse optimizer state saved by another optimizer class (``saved``: a state dict or
+    checkpoint entry with :func:`optimizer_tags`; one saved without them is let through).
+
+    The same class name in another module is taken when it is the same torch optimizer
+    underneath (a class defined in a training script, ``__main__.MyAdam``, resumes from the
+    module it was moved to)."""
+    tag = saved.get("optimizer")
+    if tag is None:
         return
     mine = optimizer_kind(optimizer)
-    # the class's name decides, not its module: a class defined in a training script
-    # (``__main__.MyAdam``) resumes from the module it was moved to
-    if saved != mine and not str(saved).endswith("." + type(optimizer).__qualname__):
-        raise GadgetValueError(
-            f"{what} holds the state of a {saved} optimizer; this optimizer is a {mine} "
-            "(build the optimizer that saved it to load it)"
-        )
+    if tag == mine:
+        return
+    same_name = str(tag).endswith("." + type(optimizer).__qualname__)
+    base = saved.get("optimizer_base")
+    if same_name and base == _torch_base(optimizer):
+        return
+    raise GadgetValueError(
+        f"{what} holds the state of a {tag} optimizer; this optimizer is a {mine} "
+        "(build the optimizer that saved it to load it)"
+    )
 
 
 def supported_name(optimizer: Any) -> str:
