@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ._errors import GadgetIndexError, GadgetTypeError
+from ._errors import GadgetIndexError, GadgetTypeError, GadgetValueError
 
 __all__ = [
     "as_ids",
@@ -105,10 +105,17 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
         # every id lies in [0, 2**63), so does the step; arange's end is one step past the
         # last id, which may lie beyond int64 only by less than a step: then build it from 0
         end = last + indexes.step
-        if np.iinfo(np.int64).min <= end <= np.iinfo(np.int64).max:
+        big = np.iinfo(np.int64).max
+        if -big <= end <= big and abs(end - first) + abs(indexes.step) <= big:
+            # (arange computes its length in int64: end - first + step must fit too)
             return torch.arange(first, end, indexes.step, dtype=torch.int64)
-        out = torch.arange(len(indexes), dtype=torch.int64)
-        return out.mul_(indexes.step).add_(first)
+        try:
+            n = len(indexes)
+        except OverflowError:
+            raise GadgetValueError(
+                f"{indexes} holds more than 2**63 ids; no table has that many rows"
+            ) from None
+        return torch.arange(n, dtype=torch.int64).mul_(indexes.step).add_(first)
     if isinstance(indexes, (list, tuple)):
         if len(indexes) == 0:
             return torch.empty(0, dtype=torch.int64)

@@ -771,3 +771,51 @@ def test_dataset_placement_names_are_case_insensitive():
     assert ds[[1]][0].tolist() == [[2.0, 3.0]]
     ds2 = gl.GadgetDataset(np.arange(4), placement="FILE")  # arrays go to memory
     assert ds2[[3]][0].tolist() == [3]
+
+
+# ---- sixth review ----------------------------------------------------------------------------
+
+
+def test_ranges_match_python_near_the_int64_limits():
+    from gadgetloader._ids import _to_tensor
+
+    top = 2**63 - 1
+    rng = np.random.default_rng(0)
+    cases = [
+        range(2**62 + 1, -1, -(2**62 + 1)),
+        range(0, 2**62 + 1, 2**62 - 1),
+        range(top - 4, top + 1),
+        range(top - 11, top + 1, 3),
+        range(top, -1, -(2**62)),
+    ]
+    for _ in range(300):
+        step = int(rng.choice([1, -1, 3, -7, 2**61, -(2**61), 2**62 + 3, -(2**62 + 3)]))
+        start = int(rng.integers(0, top, dtype=np.int64, endpoint=True))
+        cases.append(range(start, start + step * int(rng.integers(-1, 4)), step))
+    for r in cases:
+        expected = [i for i in r]
+        if expected and (max(expected) > top or min(expected) < 0):
+            with pytest.raises(gl.GadgetIndexError):
+                _to_tensor(r)
+        else:
+            assert _to_tensor(r).tolist() == expected, r
+    with pytest.raises(gl.GadgetValueError, match="more than 2"):
+        _to_tensor(range(top, -1, -1))
+
+
+def test_state_tagged_without_the_torch_base_still_loads_into_a_moved_class():
+    src, so = _model(torch.optim.Adam)
+    _train(src, so)
+    sd = so.state_dict()
+    del sd["optimizer_base"]  # as saved before the base was recorded
+    sd["optimizer"] = "__main__.Adam"
+    m, o = _model(torch.optim.Adam, seed=1)
+    o.load_state_dict(sd)
+
+
+def test_saving_under_a_file_says_it_is_not_a_directory(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(gl.GadgetFileError, match="not a directory"):
+        gl.DataGadget(np.ones((2, 2), np.float32), placement="cpu").save(
+            str(tmp_path / "afile" / "x.npy")
+        )

@@ -103,6 +103,8 @@ def check_sink_target(path: Path, shape: tuple[int, ...], store: str = "file") -
     # it over the target
     folder = resolved_target(path).parent
     if not folder.is_dir():  # a link into a folder that does not exist
+        if folder.exists():
+            raise GadgetFileError(f"cannot save {path}: {folder} is not a directory")
         raise GadgetFileNotFoundError(f"directory {folder} does not exist (saving {path})")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ReadOnlyError(

@@ -103,8 +103,8 @@ def check_optimizer_kind(
     if tag == mine:
         return
     same_name = str(tag).endswith("." + type(optimizer).__qualname__)
-    base = saved.get("optimizer_base")
-    if same_name and base == _torch_base(optimizer):
+    # (state saved before the torch base was recorded: the class name alone)
+    if same_name and saved.get("optimizer_base", _torch_base(optimizer)) == _torch_base(optimizer):
         return
     raise GadgetValueError(
         f"{what} holds the state of a {tag} optimizer; this optimizer is a {mine} "
