@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -162,7 +162,7 @@ class DataGadget:
         CPUPinn: bool = False,
         *,
         placement: str | None = None,
-        shape: _Shape | None = None,
+        shape: Sequence[int | np.integer[Any]] | None = None,
         dtype: Any = None,
         device: Any = None,
         dataset: str | None = None,
@@ -350,10 +350,17 @@ class DataGadget:
 
     @classmethod
     def zeros(
-        cls, shape: _Shape, dtype: Any = "float32", *, placement: str = "cuda", **kwargs: Any
+        cls,
+        shape: Sequence[int | np.integer[Any]],
+        dtype: Any = "float32",
+        *,
+        placement: str = "cuda",
+        **kwargs: Any,
     ) -> DataGadget:
         """A zero-filled table."""
-        return cls(shape=tuple(shape), dtype=dtype, placement=placement, **kwargs)
+        if not isinstance(shape, (str, bytes)) and hasattr(shape, "__iter__"):
+            shape = tuple(shape)  # (anything else: refused by the constructor)
+        return cls(shape=shape, dtype=dtype, placement=placement, **kwargs)
 
     # ---- facts ---------------------------------------------------------------------------
     @property

@@ -819,3 +819,11 @@ def test_saving_under_a_file_says_it_is_not_a_directory(tmp_path):
         gl.DataGadget(np.ones((2, 2), np.float32), placement="cpu").save(
             str(tmp_path / "afile" / "x.npy")
         )
+
+
+def test_zeros_takes_any_int_sequence_and_refuses_the_rest():
+    assert gl.DataGadget.zeros(np.array([3, 2]), placement="cpu").shape == (3, 2)
+    assert gl.DataGadget.zeros(torch.Size([2, 2]), placement="cpu").shape == (2, 2)
+    for bad in (10, "12"):
+        with pytest.raises(gl.GadgetTypeError, match="shape"):
+            gl.DataGadget.zeros(bad, placement="cpu")

@@ -111,8 +111,9 @@ class GadgetDataset(Dataset[Any]):
     one gather per column, all queued on the current CUDA stream; with
     ``pinned`` columns the gather is a GPU kernel reading host RAM in place.
     The dataset decides once per column how its rows move: a ``cuda`` or ``pinned``
-    table that its strategy gathers with the row kernel at every batch size
-    (``auto`` up to 2 GB, or ``strategy='kernel'``) costs one allocation and one
+    table that its strategy gathers with the row kernel (``auto`` up to 2 GB, where
+    batches of 2^18 ids or more take the unsorted kernel too, or ``strategy='kernel'``)
+    costs one allocation and one
     kernel launch per batch, with nothing of the general gather's per-call work
     (same bytes); ``cpu`` tables are indexed directly; file tables and other
     strategies take the store's own gather.

@@ -65,8 +65,8 @@ class GadgetLoader:
     coalesce : int, optional
         With ``num_workers=0``, gather this many consecutive batches with *one*
         gather per column and hand them out as views (default on CUDA: as many
-        batches as fit in :data:`COALESCE_BYTES`, at most :data:`COALESCE_MAX` where
-        the row kernel gathers every column in place, else :data:`COALESCE_MAX_OTHER`;
+        batches as fit in 64 MiB, at most 32 where the row kernel gathers every column
+        in place, else 8;
         1 on the CPU). Order, contents and resume positions are exactly those of
         ``coalesce=1``; only the number of kernel launches and Python round trips
         per batch shrinks, which is what limits small batches (a 4096 x 512 B batch

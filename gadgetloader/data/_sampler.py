@@ -302,7 +302,7 @@ class GadgetSampler(Sampler[Any]):
 
     def __init__(
         self,
-        data_source: Sized | int,
+        data_source: Sized | int | np.integer[Any],
         *,
         batch_size: int,
         order: str = "random",

@@ -527,7 +527,7 @@ class OffloadedEmbedding(_OffloadedTable):
     With CUDA ids on a CUDA device (and CuPy) a training step never drains the GPU's
     queue: the row plan (sort, distinct ids, local ids) is built on the GPU and its row
     count stays there (the per-step variable has one row per lookup position, up to
-    :data:`DEVICE_PLAN_MAX_BYTES` of rows; rows past the distinct ones are zeros that are
+    64 MiB of rows; rows past the distinct ones are zeros that are
     never written back; larger lookups take an exact plan, one synchronisation), and the
     backward sums the gradients of repeated ids with a kernel in the same order as
     ``F.embedding``'s CUDA backward (bit-identical results). Only ``step()`` waits, for the

@@ -29,7 +29,7 @@ __all__ = ["STRATEGIES", "gather", "scatter", "resolve_strategy", "set_hybrid_fr
 STRATEGIES: tuple[str, ...] = ("auto", "kernel", "sorted", "hybrid", "torch")
 
 #: above this many bytes a random gather from host memory loses throughput to the GPU's
-#: address translation unless the ids are sorted (PERF.md: falls off past ~2 GB)
+#: address translation unless the ids are sorted (DESIGN.md, "Why ids are sorted": falls off past ~2 GB)
 SORT_ABOVE_BYTES = 1 << 31
 
 #: above this many table bytes per requested id (ids sparser than one per this many bytes)
