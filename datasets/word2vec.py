@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -73,20 +74,31 @@ def build_vocab(path: str | os.PathLike[str], min_count: int = 1) -> tuple[Vocab
 
 
 def skipgram_pairs(
-    ids: np.ndarray, window: int, rng: np.random.Generator
+    ids: np.ndarray,
+    window: int,
+    rng: np.random.Generator,
+    centers_in: tuple[int, int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(center, context) pairs with word2vec's dynamic window (each center draws a
-    window size in ``1..window``), vectorised over the corpus."""
+    window size in ``1..window``), vectorised over the corpus.
+
+    ``centers_in=(lo, hi)`` keeps the pairs whose center lies at positions ``lo..hi-1``
+    (their contexts may lie outside): chunks of a corpus that overlap by ``window``
+    tokens then give every pair of the corpus exactly once."""
     n = ids.shape[0]
+    lo, hi = centers_in if centers_in is not None else (0, n)
+    pos = np.arange(n)
     reach = rng.integers(1, window + 1, size=n)
     centers, contexts = [], []
     for d in range(1, window + 1):
         if d >= n:
             break
-        ok_fwd = reach[: n - d] >= d  # center i, context i + d
+        # center i, context i + d
+        ok_fwd = (reach[: n - d] >= d) & (pos[: n - d] >= lo) & (pos[: n - d] < hi)
         centers.append(ids[: n - d][ok_fwd])
         contexts.append(ids[d:][ok_fwd])
-        ok_bwd = reach[d:] >= d  # center i, context i - d
+        # center i, context i - d
+        ok_bwd = (reach[d:] >= d) & (pos[d:] >= lo) & (pos[d:] < hi)
         centers.append(ids[d:][ok_bwd])
         contexts.append(ids[: n - d][ok_bwd])
     if not centers:
@@ -214,8 +226,11 @@ def train(
             unit_scale=True,
         )
         for start in range(0, ids.shape[0], chunk_tokens):
-            chunk = ids[max(0, start - window) : start + chunk_tokens]
-            c, x = skipgram_pairs(chunk, window, rng)
+            # the chunk's centers, with `window` tokens of context on each side
+            first = max(0, start - window)
+            chunk = ids[first : start + chunk_tokens + window]
+            core = (start - first, start - first + min(chunk_tokens, ids.shape[0] - start))
+            c, x = skipgram_pairs(chunk, window, rng, centers_in=core)
             perm = rng.permutation(c.shape[0])
             c_t = torch.from_numpy(c[perm]).to(dev)
             x_t = torch.from_numpy(x[perm]).to(dev)
@@ -254,8 +269,8 @@ def _rate(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text}")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text}")
     return value
 
 
@@ -285,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--min-count", type=_count(1), default=1)
     p.add_argument("--placement", default="pinned", choices=["pinned", "cpu", "cuda"])
     p.add_argument("--device", default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_count(0), default=0)
     p.add_argument("--out", default=None, help="write OUT.npy and OUT.vocab.txt")
     p.add_argument(
         "--show", default=None, help="comma-separated words: print their nearest neighbours"
@@ -300,9 +315,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             else f"{args.corpus}: not a file"
         )
     if args.out is not None:
+        if not os.path.basename(args.out) or os.path.isdir(args.out):
+            p.error(f"--out {args.out}: expected a file name prefix (OUT.npy, OUT.vocab.txt)")
         folder = os.path.dirname(os.path.abspath(args.out))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             p.error(f"--out {args.out}: {folder} is not a writable directory")
+        for target in (args.out + ".npy", args.out + ".vocab.txt"):
+            if os.path.isdir(target):
+                p.error(f"--out {args.out}: {target} is a directory")
     try:
         result = train(
             args.corpus,
@@ -335,7 +355,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print(f"{w}: not in the vocabulary")
     if args.out:
-        result.save(args.out)
+        try:
+            result.save(args.out)
+        except (OSError, gl.GadgetError) as exc:
+            print(f"{p.prog}: error: saving {args.out}: {exc}", file=sys.stderr)
+            return 1
         print(f"wrote {args.out}.npy and {args.out}.vocab.txt")
     return 0
 

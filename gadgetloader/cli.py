@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -123,6 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gadgetloader: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # stdout was closed early (`| head`): stop quietly, as command-line tools do
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -137,8 +143,9 @@ def _main(argv: Sequence[str] | None) -> int:
         from .info import collect_info, format_info
 
         data = collect_info(measure=not args.no_measure)
-        print(format_info(data))
-        return _write_json(args.json, data, "info")
+        status = _write_json(args.json, data, "info")  # first: the file is kept even if
+        print(format_info(data))  # stdout is a closed pipe (`| head -1`)
+        return status
     if args.command == "bench":
         from ._errors import GadgetError
 

@@ -11,7 +11,10 @@ import io
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -827,3 +830,128 @@ def test_zeros_takes_any_int_sequence_and_refuses_the_rest():
     for bad in (10, "12"):
         with pytest.raises(gl.GadgetTypeError, match="shape"):
             gl.DataGadget.zeros(bad, placement="cpu")
+
+
+# ---- lifecycle and processes ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ext", [".h5", ".zarr"])
+def test_closing_a_file_table_while_threads_read_it(tmp_path, ext):
+    """A call that overlaps close() finishes or raises GadgetClosedError, nothing else."""
+    pytest.importorskip("h5py" if ext == ".h5" else "zarr")
+    path = tmp_path / f"t{ext}"
+    gl.DataGadget(np.ones((20_000, 16), np.float32), placement="cpu").save(
+        str(path), chunk_rows=64, compression="gzip"
+    )
+    errors: dict[str, str] = {}
+    for trial in range(20):
+        g = gl.DataGadget(str(path), placement="file", device="cpu", cache_bytes=1 << 20)
+
+        def read(g=g):
+            try:
+                while True:
+                    got = g.getData(torch.randint(0, 20_000, (2000,)))
+                    assert bool((got == 1).all())
+            except gl.GadgetClosedError:
+                pass
+            except BaseException as exc:  # anything else is the defect
+                errors[type(exc).__name__] = str(exc)[:90]
+
+        threads = [threading.Thread(target=read) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.003 * (trial % 7))
+        g.close()
+        for t in threads:
+            t.join()
+    assert errors == {}
+
+
+def test_hdf5_writes_reach_the_file_for_other_processes(tmp_path):
+    h5py = pytest.importorskip("h5py")
+    path = tmp_path / "w.h5"
+    gl.DataGadget(np.zeros((100, 2), np.float32), placement="cpu").save(str(path))
+    g = gl.DataGadget(str(path), placement="file")
+    g.insertData(np.full((2, 2), 7.0, np.float32), [3, 50])
+    code = (
+        "import h5py, sys; f = h5py.File(sys.argv[1], 'r', locking=False); "
+        "d = f['data']; print(float(d[3, 0]), float(d[50, 1]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["7.0", "7.0"]
+    g.close()
+    del h5py
+
+
+def test_info_json_is_written_even_when_stdout_is_a_closed_pipe(tmp_path, monkeypatch):
+    from gadgetloader import cli
+
+    class ClosedPipe(io.StringIO):
+        def write(self, s):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    out = tmp_path / "i.json"
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert cli.main(["info", "--no-measure", "--json", str(out)]) == 1
+    monkeypatch.undo()
+    assert "torch" in out.read_text()
+
+
+# ---- word2vec example and the EmbeddingBag ---------------------------------------------------
+
+
+def test_word2vec_chunks_give_each_pair_once():
+    from datasets.word2vec import skipgram_pairs
+
+    ids = np.arange(100)  # ids are positions: a pair names its two positions
+    rng = np.random.default_rng(0)
+    window, chunk, pairs = 3, 10, []
+    for start in range(0, ids.shape[0], chunk):
+        first = max(0, start - window)
+        part = ids[first : start + chunk + window]
+        core = (start - first, start - first + min(chunk, ids.shape[0] - start))
+        c, x = skipgram_pairs(part, window, rng, centers_in=core)
+        pairs += list(zip(c.tolist(), x.tolist(), strict=True))
+    assert len(pairs) == len(set(pairs))
+    assert all(0 < abs(c - x) <= window for c, x in pairs)
+    assert {c for c, _ in pairs} == set(range(100))  # every center, in its own chunk
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--lr", "inf"], "finite"),
+        (["--seed", "-1"], "at least 0"),
+        (["--out", "DIR/"], "file name prefix"),
+        (["--out", "DIR/vec"], "is a directory"),
+    ],
+)
+def test_word2vec_bad_arguments_are_one_line_errors_before_training(
+    tmp_path, capsys, extra, message
+):
+    from datasets import word2vec
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("a b c d e f g " * 50)
+    (tmp_path / "vec.npy").mkdir()  # OUT.npy taken by a folder
+    args = [str(corpus), *[a.replace("DIR", str(tmp_path)) for a in extra]]
+    with pytest.raises(SystemExit) as info:
+        word2vec.main(args)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "epoch" not in err
+
+
+def test_bag_weights_with_mean_are_refused_before_the_lookup_is_recorded():
+    bag = gl.OffloadedEmbeddingBag(10, 3, mode="mean", placement="cpu", device="cpu")
+    opt = gl.OffloadedOptimizer(torch.optim.SGD, bag, lr=1.0)
+    before = bag.table.getData(torch.arange(10))
+    with pytest.raises(gl.GadgetValueError, match="mode='sum'"):
+        bag(torch.tensor([[1, 2]]), per_sample_weights=torch.ones(1, 2))
+    opt.step()  # nothing pending: nothing written
+    assert torch.equal(bag.table.getData(torch.arange(10)), before)
+    bag(torch.tensor([[1, 2]])).sum().backward()
+    opt.step()
+    assert not torch.equal(bag.table.getData(torch.tensor([1])), before[1:2])

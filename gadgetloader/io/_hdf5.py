@@ -132,15 +132,6 @@ def _worker_info() -> Any:
     return get_worker_info()
 
 
-def _shares_file(src: Hdf5Source) -> bool:
-    """Whether another open source in this process reads ``src``'s file."""
-    here = os.path.realpath(src.path)
-    return any(
-        other is not src and not other._closed and os.path.realpath(other.path) == here
-        for other in list(_SOURCES)
-    )
-
-
 def _release_readers(writer: Hdf5Source) -> bool:
     """Let other sources of ``writer``'s file in this process drop their read-only handles
     (each under its own lock; they reopen on their next read). Returns whether any did."""
@@ -803,10 +794,10 @@ class Hdf5Source(ArraySource):
             ds.write_direct(np.ascontiguousarray(rows), np.s_[0 : stop - start], np.s_[start:stop])
             real = self._realpath()
             _WRITES[real] = _WRITES.get(real, 0) + 1
-            if _shares_file(self):
-                # out of HDF5's chunk cache into the file: other tables of this file in
-                # the process read chunks by their file offsets
-                ds.file.flush()
+            # out of HDF5's caches into the file (not to disk: no fsync): other tables of
+            # this file in the process read chunks by their file offsets, and DataLoader
+            # workers (other processes) read the file
+            ds.file.flush()
 
     def flush(self) -> None:
         """Push written rows to the file (the OS may still hold them)."""

@@ -227,6 +227,7 @@ class FileStore(Store):
     def _guard(self) -> Any:
         """Hold the file's lock and check the file is still the one this store opened."""
         with _file_lock(self._key):
+            self.check_open()  # closed by another thread while this one waited
             self._check_file()
             yield
 
@@ -367,6 +368,10 @@ class FileStore(Store):
         self._watch()
 
     def _release(self) -> None:
+        with _file_lock(self._key):  # not while another thread reads or writes the file
+            self._release_locked()
+
+    def _release_locked(self) -> None:
         if self._src is not None:
             self._src.close()
         self._src = None

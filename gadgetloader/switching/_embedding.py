@@ -658,6 +658,11 @@ class OffloadedEmbeddingBag(_OffloadedTable):
                 f"input must be 1-D (with offsets) or 2-D (one bag per row); got shape {shape}"
             )
         if per_sample_weights is not None:
+            if self.mode != "sum":
+                raise GadgetValueError(
+                    f"per_sample_weights go with mode='sum' (as in torch's EmbeddingBag); this "
+                    f"bag's mode is {self.mode!r}"
+                )
             w = per_sample_weights
             if (
                 not isinstance(w, torch.Tensor)
