@@ -205,6 +205,8 @@ def train(
     between the stores and the GPU; repeated words within a batch are merged, so their
     gradients add up exactly.
     """
+    if not (isinstance(chunk_tokens, int) and chunk_tokens >= 1):
+        raise ValueError(f"chunk_tokens must be a whole number of at least 1; got {chunk_tokens!r}")
     vocab, ids = build_vocab(corpus, min_count)
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
@@ -251,14 +253,16 @@ def train(
     return Word2VecResult(vocab, model, losses)
 
 
-def _count(low: int) -> Any:
+def _count(low: int, high: int = 2**63 - 1) -> Any:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected a number of at least {low}, got {value}")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"expected a number of at least {low} and at most {high}, got {value}"
+            )
         return value
 
     return parse

@@ -120,7 +120,9 @@ def _check_bench_order(parser: argparse.ArgumentParser, argv: Sequence[str], sui
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gadgetloader`` console script."""
     try:
-        return _main(argv)
+        status = _main(argv)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is handled below
+        return status
     except KeyboardInterrupt:
         print("gadgetloader: interrupted", file=sys.stderr)
         return 130

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -358,8 +359,9 @@ class DataGadget:
         **kwargs: Any,
     ) -> DataGadget:
         """A zero-filled table."""
-        if not isinstance(shape, (str, bytes)) and hasattr(shape, "__iter__"):
-            shape = tuple(shape)  # (anything else: refused by the constructor)
+        if not isinstance(shape, (str, bytes)):
+            with contextlib.suppress(TypeError):  # not iterable: refused by the constructor
+                shape = tuple(shape)
         return cls(shape=shape, dtype=dtype, placement=placement, **kwargs)
 
     # ---- facts ---------------------------------------------------------------------------

@@ -955,3 +955,56 @@ def test_bag_weights_with_mean_are_refused_before_the_lookup_is_recorded():
     bag(torch.tensor([[1, 2]])).sum().backward()
     opt.step()
     assert not torch.equal(bag.table.getData(torch.tensor([1])), before[1:2])
+
+
+# ---- last review -------------------------------------------------------------------------------
+
+
+def test_close_never_waits_forever_for_a_call_that_waits_for_it(tmp_path):
+    """A close from a finalizer on one of a call's own I/O threads: the call holds the
+    file's lock and waits for that thread. The close gives up waiting; the call releases
+    the table on its way out."""
+    pytest.importorskip("zarr")
+    path = tmp_path / "t.zarr"
+    gl.DataGadget(np.ones((100, 4), np.float32), placement="cpu").save(str(path), chunk_rows=10)
+    g = gl.DataGadget(str(path), placement="file", device="cpu")
+    g.getData([1, 50])
+    store = g.store
+    with store._guard():  # the call in progress
+        closer = threading.Thread(target=g.close)
+        closer.start()
+        closer.join(timeout=10)
+        assert not closer.is_alive()  # returned although the lock is held
+        assert store.closed
+    assert store._src is None and store._slab is None  # released when the call ended
+    with pytest.raises(gl.GadgetClosedError):
+        g.getData([1])
+
+
+def test_a_closed_pipe_found_when_flushing_stdout_ends_quietly(monkeypatch):
+    from gadgetloader import cli
+
+    class PipeClosedAtFlush(io.StringIO):
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", PipeClosedAtFlush())
+    assert cli.main(["info", "--no-measure"]) == 1
+
+
+def test_zeros_of_a_0d_array_is_a_gadget_error():
+    for bad in (np.array(10), torch.tensor(5)):
+        with pytest.raises(gl.GadgetTypeError, match="shape"):
+            gl.DataGadget.zeros(bad, placement="cpu")
+
+
+def test_word2vec_chunk_and_seed_bounds(tmp_path, capsys):
+    from datasets import word2vec
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("a b c d e f g " * 20)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        word2vec.train(str(corpus), chunk_tokens=-5, placement="cpu", device="cpu")
+    with pytest.raises(SystemExit) as info:
+        word2vec.main([str(corpus), "--seed", str(2**64)])
+    assert info.value.code == 2 and "at most" in capsys.readouterr().err

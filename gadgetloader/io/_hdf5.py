@@ -794,10 +794,8 @@ class Hdf5Source(ArraySource):
             ds.write_direct(np.ascontiguousarray(rows), np.s_[0 : stop - start], np.s_[start:stop])
             real = self._realpath()
             _WRITES[real] = _WRITES.get(real, 0) + 1
-            # out of HDF5's caches into the file (not to disk: no fsync): other tables of
-            # this file in the process read chunks by their file offsets, and DataLoader
-            # workers (other processes) read the file
-            ds.file.flush()
+            # (the file table flushes HDF5's caches once per write call: other tables of
+            # this file read chunks by their file offsets, DataLoader workers the file)
 
     def flush(self) -> None:
         """Push written rows to the file (the OS may still hold them)."""

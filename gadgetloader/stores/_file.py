@@ -229,7 +229,11 @@ class FileStore(Store):
         with _file_lock(self._key):
             self.check_open()  # closed by another thread while this one waited
             self._check_file()
-            yield
+            try:
+                yield
+            finally:
+                if self._closed:  # closed during this call (see _release): release here
+                    self._release_locked()
 
     def _check_file(self) -> None:
         for path, ident in zip(self._watch_paths, self._ident, strict=True):
@@ -368,8 +372,16 @@ class FileStore(Store):
         self._watch()
 
     def _release(self) -> None:
-        with _file_lock(self._key):  # not while another thread reads or writes the file
-            self._release_locked()
+        # not while another thread reads or writes the file: wait for its call to end. A
+        # call that is itself waiting for this thread (a close from a finalizer run on one
+        # of its I/O threads) would never end, so after a while the release is left to
+        # that call, which makes it on its way out (see _guard)
+        lock = _file_lock(self._key)
+        if lock.acquire(timeout=1.0):
+            try:
+                self._release_locked()
+            finally:
+                lock.release()
 
     def _release_locked(self) -> None:
         if self._src is not None:
@@ -687,6 +699,7 @@ class FileStore(Store):
         with self._guard():
             self._scatter(ids, rows, strategy, unique=unique)
             self._drop_others()
+            self._push()
 
     def read_block(self, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` read from the file as a new CPU tensor."""
@@ -700,6 +713,7 @@ class FileStore(Store):
         with self._guard():
             self._write_block(start, rows)
             self._drop_others()
+            self._push()
 
     def apply_(self, fn: Any, *args: Any, **kwargs: Any) -> None:
         """Run an elementwise initializer (``zero_``, ``fill_``, ``uniform_``, ``normal_``,
@@ -724,6 +738,13 @@ class FileStore(Store):
                 block = self.read_block(start, min(self.num_rows, start + step))
                 fn(block, *args, **kwargs)
                 self.write_block(start, block)
+
+    def _push(self) -> None:
+        """After a write call: its rows out of the source's buffers into the file (not to
+        disk), once per call, so other processes (DataLoader workers) and other tables
+        of the file read them."""
+        if self._src is not None and hasattr(self._src, "flush"):
+            self._src.flush()
 
     def flush(self) -> None:
         """Ask the source to push written rows to the file (where it buffers)."""
