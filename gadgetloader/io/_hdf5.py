@@ -85,6 +85,7 @@ def import_h5py() -> ModuleType:
             "HDF5 files need the optional 'h5py' package, which is not installed; "
             "install it with pip install 'gadgetloader[hdf5]'"
         ) from exc
+    _register_fork_hooks()
     return h5py
 
 
@@ -123,6 +124,11 @@ def _h5_open(h5py: ModuleType, path: str, mode: str) -> Any:
             return h5py.File(path, mode, locking=False)
         except (TypeError, ValueError):  # an h5py / HDF5 without the option
             pass
+        except OSError as exc:
+            # the file is open in this process with HDF5's lock already: a handle the
+            # user's own h5py code held when the worker was forked
+            if "locking flag" not in str(exc):
+                raise
     return h5py.File(path, mode)
 
 
@@ -160,13 +166,52 @@ def _release_readers(writer: Hdf5Source) -> bool:
     return released
 
 
-def _close_before_fork() -> None:
-    for src in list(_OPEN):
+#: the sources' locks held by the forking thread from just before a fork until just after it
+_FORK_HELD: list[threading.RLock] = []
+#: how long a fork waits for a thread busy with one source before copying it as it is
+_FORK_WAIT_S = 5.0
+_FORK_HOOKS = [False]
+
+
+def _before_fork() -> None:
+    """Close every source's handles and hold each source's lock across the fork.
+
+    Holding the locks keeps other threads from reopening a file between this hook and
+    the fork itself: HDF5's list of open files is copied into the child, and a handle open
+    there makes the child's own open fail ("file locking flag values don't match" in a
+    DataLoader worker, which opens without HDF5's lock)."""
+    held: list[threading.RLock] = []
+    for src in list(_SOURCES):
+        lock = src._guard()
+        if not lock.acquire(timeout=_FORK_WAIT_S):
+            continue  # busy that long: the child opens its own handle (see _worker_open)
+        held.append(lock)
         src._drop_handles()
+    _FORK_HELD[:] = held
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_close_before_fork)
+def _after_fork_in_parent() -> None:
+    held = list(_FORK_HELD)
+    _FORK_HELD.clear()
+    for lock in reversed(held):
+        lock.release()
+
+
+def _after_fork_in_child() -> None:
+    _FORK_HELD.clear()  # the child makes its own locks (Hdf5Source._guard)
+
+
+def _register_fork_hooks() -> None:
+    """Registered once h5py is imported, so that these run before h5py's own hooks (which
+    take h5py's global lock): a thread reading a file can then finish before the fork."""
+    if _FORK_HOOKS[0] or not hasattr(os, "register_at_fork"):
+        return
+    _FORK_HOOKS[0] = True
+    os.register_at_fork(
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )
 
 
 def _object_key(obj: Any, h5py: ModuleType) -> tuple[Any, ...]:

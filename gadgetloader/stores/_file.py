@@ -70,6 +70,16 @@ def _file_lock(key: tuple[str, str | None]) -> threading.RLock:
     return lock
 
 
+def _locks_after_fork_in_child() -> None:
+    global _LOCKS_GUARD
+    _LOCKS_GUARD = threading.Lock()  # another thread may have held the parent's
+    _LOCKS.clear()  # the parent's, keyed by its pid
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_locks_after_fork_in_child)
+
+
 #: elementwise initializers that may run block by block
 _ELEMENTWISE: tuple[Any, ...] = (
     torch.Tensor.zero_,
