@@ -345,6 +345,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, gl.GadgetError) as exc:
         print(f"{p.prog}: error: {exc}", file=sys.stderr)
         return 1
+    except (MemoryError, RuntimeError) as exc:
+        text = str(exc)
+        if not isinstance(exc, MemoryError) and "alloc" not in text and "out of memory" not in text:
+            raise
+        first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        print(
+            f"{p.prog}: error: not enough memory for tables of these sizes "
+            f"(--dim {args.dim}, --negatives {args.negatives}, --batch-size {args.batch_size}): "
+            f"{first}",
+            file=sys.stderr,
+        )
+        return 1
     print(
         f"vocabulary {len(result.vocab)} words; loss per epoch: "
         + ", ".join(f"{x:.4f}" for x in result.losses)

@@ -53,6 +53,11 @@ _WIDE_UNSIGNED = tuple(
 
 def _to_tensor(indexes: Any) -> torch.Tensor:
     if isinstance(indexes, torch.Tensor):
+        if indexes.layout != torch.strided:
+            raise GadgetTypeError(
+                f"ids must be a dense (strided) tensor; got layout {indexes.layout} "
+                "(use .to_dense())"
+            )
         if indexes.dtype in _WIDE_UNSIGNED:
             # through NumPy, whose uint64 compares without wrapping (torch's wide unsigned
             # dtypes have few operations on older versions); rare, so the copy is fine

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -72,6 +73,11 @@ def _check_out(out: Any, shape: tuple[int, ...], dtype: torch.dtype, device: tor
         raise GadgetValueError(
             f"out must be a contiguous tensor of shape {tuple(shape)}; got shape {tuple(out.shape)}"
             f"{'' if out.is_contiguous() else ' (not contiguous)'}"
+        )
+    if out.requires_grad:
+        raise GadgetValueError(
+            "out must not require grad (rows are written into it in place); "
+            "pass out.detach() or a plain tensor"
         )
 
 
@@ -626,7 +632,40 @@ class DataGadget:
         return self.init_(torch.Tensor.zero_)
 
     def fill_(self, value: float) -> DataGadget:
+        """Set every element to ``value``, which the table's dtype must hold exactly
+        (an integer in range for integer tables, True/False/0/1 for bool tables, a finite
+        value that does not overflow a floating-point dtype, or inf/nan)."""
+        self._check_fill(value)
         return self.init_(torch.Tensor.fill_, value)
+
+    def _check_fill(self, value: Any) -> None:
+        what = f"fill_ on a {dtype_name(self.dtype)} table"
+        if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
+            if (value.numel() if isinstance(value, torch.Tensor) else value.size) != 1:
+                raise GadgetTypeError(
+                    f"{what} takes one number; got an array of shape {tuple(value.shape)}"
+                )
+            value = value.item()
+        if not isinstance(value, (bool, int, float)):
+            raise GadgetTypeError(f"{what} takes a real number; got {type(value).__name__}")
+        if self.dtype.is_floating_point:
+            finite = math.isfinite(value)
+            if finite and not math.isfinite(torch.tensor(float(value)).to(self.dtype).item()):
+                raise GadgetValueError(
+                    f"{what}: {value!r} overflows it (largest {torch.finfo(self.dtype).max})"
+                )
+            return
+        if self.dtype == torch.bool:
+            if value not in (0, 1):
+                raise GadgetValueError(f"{what} takes True, False, 0 or 1; got {value!r}")
+            return
+        if isinstance(value, float) and not value.is_integer():
+            raise GadgetValueError(f"{what} takes an integer; got {value!r}")
+        info = torch.iinfo(self.dtype)
+        if not info.min <= value <= info.max:
+            raise GadgetValueError(
+                f"{what} takes a value in [{info.min}, {info.max}]; got {value!r}"
+            )
 
     def _check_float(self, what: str) -> None:
         if not self.dtype.is_floating_point:

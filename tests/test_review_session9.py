@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 from torch.utils.data import DataLoader
 
 import gadgetloader as gl
@@ -65,3 +66,195 @@ def test_fork_while_another_thread_reads_an_hdf5_table(tmp_path):
         stop.set()
         th.join(30)
     assert not errors, errors
+
+
+# ---- tables and ids ------------------------------------------------------------------------
+
+
+def test_loading_a_parameter_leaves_the_table_out_of_autograd(tmp_path):
+    model = torch.nn.Embedding(4, 2)
+    sw = gl.PytorchModelFactory(model, 4, 2, deviceType="cpu")
+    path = tmp_path / "w.pt"
+    torch.save(torch.nn.Parameter(torch.ones(4, 2)), path)
+    sw.loadTorch(str(path))
+    np.testing.assert_array_equal(sw.getNumpyVersion(), np.ones((4, 2), np.float32))
+    emb = gl.OffloadedEmbedding(4, 2, placement="cpu", device="cpu")
+    opt = gl.OffloadedOptimizer(torch.optim.Adam, emb, lr=0.1)
+    emb.load_state_dict({"weight": torch.nn.Parameter(torch.full((4, 2), 2.0))})
+    assert not emb.state_dict()["weight"].requires_grad
+    np.testing.assert_array_equal(emb.table.getNumpyVersion(), np.full((4, 2), 2, np.float32))
+    gl.save_checkpoint(tmp_path / "ck", {"m": emb, "o": opt})  # raised a raw RuntimeError
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value", "error"),
+    [
+        (np.uint8, -1, gl.GadgetValueError),
+        (np.uint8, 2.7, gl.GadgetValueError),
+        (np.uint8, 300, gl.GadgetValueError),
+        (np.int8, float("nan"), gl.GadgetValueError),
+        (np.bool_, 2, gl.GadgetValueError),
+        (np.float16, 1e5, gl.GadgetValueError),
+        (np.float32, "1", gl.GadgetTypeError),
+        (np.float32, [1.0], gl.GadgetTypeError),
+    ],
+)
+def test_fill_refuses_values_the_dtype_cannot_hold(dtype, value, error):
+    g = gl.DataGadget(np.arange(3).astype(dtype), placement="cpu")
+    before = g.getNumpyVersion().copy()
+    with pytest.raises(error, match="fill_"):
+        g.fill_(value)
+    np.testing.assert_array_equal(g.getNumpyVersion(), before)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value", "expected"),
+    [
+        (np.uint8, 255, 255),
+        (np.uint8, 2.0, 2),
+        (np.bool_, True, True),
+        (np.float16, float("inf"), np.inf),
+    ],
+)
+def test_fill_takes_values_the_dtype_holds(dtype, value, expected):
+    g = gl.DataGadget(np.zeros(3, dtype), placement="cpu")
+    g.fill_(value)
+    np.testing.assert_array_equal(g.getNumpyVersion(), np.full(3, expected, dtype))
+
+
+def test_an_initializer_that_changes_shape_leaves_the_table_usable():
+    data = np.arange(12, dtype=np.float32).reshape(4, 3)
+    g = gl.DataGadget(data, placement="cpu")
+    g.init_(torch.Tensor.t_)
+    np.testing.assert_array_equal(g.getData([0, 3]).numpy(), data[[0, 3]])
+
+
+def test_sparse_id_tensors_are_a_type_error():
+    g = gl.DataGadget(np.zeros((4, 3), np.float32), placement="cpu")
+    ids = torch.tensor([1]).to_sparse()
+    with pytest.raises(gl.GadgetTypeError, match="dense"):
+        g.getData(ids)
+    with pytest.raises(gl.GadgetTypeError, match="dense"):
+        g.insertData(torch.ones(1, 3), ids)
+    with pytest.raises(gl.GadgetTypeError, match="dense"):
+        gl.GadgetDataset(g)[ids]
+    assert not g.getNumpyVersion().any()
+
+
+def test_a_table_too_large_for_any_allocation_is_a_value_error():
+    with pytest.raises(gl.GadgetValueError, match="bytes"):
+        gl.DataGadget((2**62, 4), placement="cpu")
+    with pytest.raises(gl.GadgetValueError, match="bytes"):
+        gl.OffloadedEmbedding(2**62, 4, placement="cpu", device="cpu")
+
+
+def test_out_that_requires_grad_is_refused():
+    g = gl.DataGadget(np.zeros((4, 3), np.float32), placement="cpu")
+    with pytest.raises(gl.GadgetValueError, match="require grad"):
+        g.getData([1], out=torch.empty(1, 3, requires_grad=True))
+
+
+# ---- training --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["int32", "bool", torch.int64])
+@pytest.mark.parametrize("factory", ["OptimizerFactory", "PytorchOptimizerFactory"])
+def test_optimizer_factories_refuse_state_tables_that_cannot_hold_it(factory, dtype):
+    model = torch.nn.Module()
+    model.u = torch.nn.Embedding(2, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    kw = {"CPUPinn": True} if factory == "OptimizerFactory" else {"deviceType": "cpu"}
+    with pytest.raises(gl.GadgetTypeError, match="floating point"):
+        getattr(gl, factory)(opt, 10, 4, model, "u", dtype=dtype, **kw)
+
+
+def test_adagrad_sum_starts_from_the_constructors_value_as_torch_does():
+    ref = torch.nn.Parameter(torch.zeros(4, 2))
+    ref_opt = torch.optim.Adagrad(
+        [{"params": [ref], "initial_accumulator_value": 0.5}], lr=0.1, initial_accumulator_value=0.1
+    )
+    emb = gl.OffloadedEmbedding(4, 2, placement="cpu", device="cpu", init=torch.nn.init.zeros_)
+    opt = gl.OffloadedOptimizer(
+        torch.optim.Adagrad,
+        [{"params": emb, "initial_accumulator_value": 0.5}],
+        lr=0.1,
+        initial_accumulator_value=0.1,
+    )
+    np.testing.assert_allclose(opt.pagers[0].tables["sum"].getNumpyVersion(), 0.1)
+    grad = torch.tensor([[1.0, 2.0]])
+    ref.grad = torch.zeros(4, 2)
+    ref.grad[1] = grad
+    ref_opt.step()
+    opt.zero_grad()
+    (emb(torch.tensor([1])) * grad).sum().backward()
+    opt.step()
+    np.testing.assert_array_equal(emb.table.getNumpyVersion()[1], ref.detach().numpy()[1])
+
+
+def test_nadam_float64_resumes_bit_identically(tmp_path):
+    def build():
+        torch.manual_seed(0)
+        emb = gl.OffloadedEmbedding(20, 3, placement="cpu", device="cpu", dtype=torch.float64)
+        return emb, gl.OffloadedOptimizer(torch.optim.NAdam, emb, lr=0.01)
+
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 20, (6,), generator=g) for _ in range(6)]
+
+    def train(emb, opt, bs):
+        for ids in bs:
+            opt.zero_grad()
+            (emb(ids) ** 2).sum().backward()
+            opt.step()
+
+    full = build()
+    train(*full, batches)
+    part = build()
+    train(*part, batches[:3])
+    gl.save_checkpoint(tmp_path / "ck", {"m": part[0], "o": part[1]})
+    sd = part[1].state_dict()
+    for load in ("checkpoint", "state_dict"):
+        resumed = build()
+        if load == "checkpoint":
+            gl.load_checkpoint(tmp_path / "ck", {"m": resumed[0], "o": resumed[1]})
+        else:
+            resumed[0].load_state_dict(part[0].state_dict())
+            resumed[1].load_state_dict(sd)
+        train(*resumed, batches[3:])
+        np.testing.assert_array_equal(
+            resumed[0].table.getNumpyVersion(), full[0].table.getNumpyVersion(), err_msg=load
+        )
+
+
+def test_offloaded_optimizer_given_an_instance_says_it_takes_a_class():
+    emb = gl.OffloadedEmbedding(4, 2, placement="cpu", device="cpu")
+    inst = torch.optim.Adam([torch.nn.Parameter(torch.ones(1))])
+    with pytest.raises(gl.GadgetTypeError, match="optimizer class"):
+        gl.OffloadedOptimizer(inst, emb)
+
+
+# ---- pipeline --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "option", [{"order": "random"}, {"seed": 0}, {"drop_last": False}, {"pad": False}]
+)
+def test_loader_refuses_sampler_options_beside_a_sampler_even_at_their_defaults(option):
+    ds = gl.GadgetDataset(np.arange(20, dtype=np.float32), placement="cpu", device="cpu")
+    s = gl.GadgetSampler(ds, batch_size=5, order="sequential")
+    with pytest.raises(gl.GadgetValueError, match="ignored"):
+        gl.GadgetLoader(ds, sampler=s, **option)
+
+
+def test_a_refused_loader_state_leaves_the_resume_position():
+    ds = gl.GadgetDataset(np.arange(100, dtype=np.float32), placement="cpu", device="cpu")
+    loader = gl.GadgetLoader(ds, batch_size=10, coalesce=4, order="sequential")
+    it = iter(loader)
+    next(it)
+    good = loader.state_dict()
+    bad = {"sampler": {**good["sampler"], "batch_size": 7}}
+    with pytest.raises(gl.GadgetValueError):
+        loader.load_state_dict(bad)
+    assert loader.state_dict() == good
+    resumed = gl.GadgetLoader(ds, batch_size=10, coalesce=4, order="sequential")
+    resumed.load_state_dict(loader.state_dict())
+    assert next(iter(resumed))[0][0].item() == 10.0

@@ -72,7 +72,9 @@ class GadgetLoader:
         per batch shrinks, which is what limits small batches (a 4096 x 512 B batch
         is ~40 us on a PCIe Gen5 link).
     order, drop_last, pad, seed, window_chunks, chunk_rows, num_replicas, rank
-        Passed to :class:`GadgetSampler` when ``sampler`` is omitted.
+        Passed to :class:`GadgetSampler` when ``sampler`` is omitted (its defaults:
+        ``order="random"``, ``drop_last=False``, ``pad=False``, ``seed=0``); with
+        ``sampler=`` giving any of them, even at its default value, is an error.
     **dataloader_kwargs
         Passed to ``torch.utils.data.DataLoader`` (e.g. ``persistent_workers``,
         ``multiprocessing_context``).
@@ -110,10 +112,10 @@ class GadgetLoader:
         prefetch: int = 2,
         num_workers: int = 0,
         coalesce: int | None = None,
-        order: str = "random",
-        drop_last: bool = False,
-        pad: bool = False,
-        seed: int = 0,
+        order: str | None = None,
+        drop_last: bool | None = None,
+        pad: bool | None = None,
+        seed: int | None = None,
         window_chunks: int | None = None,
         chunk_rows: int | None = None,
         num_replicas: int | None = None,
@@ -129,10 +131,10 @@ class GadgetLoader:
             sampler = GadgetSampler(
                 dataset,
                 batch_size=batch_size,
-                order=order,
-                drop_last=drop_last,
-                pad=pad,
-                seed=seed,
+                order="random" if order is None else order,
+                drop_last=False if drop_last is None else drop_last,
+                pad=False if pad is None else pad,
+                seed=0 if seed is None else seed,
                 window_chunks=window_chunks,
                 chunk_rows=chunk_rows,
                 num_replicas=num_replicas,
@@ -144,17 +146,17 @@ class GadgetLoader:
             )
         elif given := [
             name
-            for name, value, default in (
-                ("order", order, "random"),
-                ("drop_last", drop_last, False),
-                ("pad", pad, False),
-                ("seed", seed, 0),
-                ("window_chunks", window_chunks, None),
-                ("chunk_rows", chunk_rows, None),
-                ("num_replicas", num_replicas, None),
-                ("rank", rank, None),
+            for name, value in (
+                ("order", order),
+                ("drop_last", drop_last),
+                ("pad", pad),
+                ("seed", seed),
+                ("window_chunks", window_chunks),
+                ("chunk_rows", chunk_rows),
+                ("num_replicas", num_replicas),
+                ("rank", rank),
             )
-            if value is not default and value != default
+            if value is not None
         ]:
             raise GadgetValueError(
                 f"{', '.join(given)} set the sampler GadgetLoader builds; with sampler= they "
@@ -243,8 +245,8 @@ class GadgetLoader:
                 "not a GadgetLoader state: expected a dict from GadgetLoader.state_dict() "
                 "(with a 'sampler' entry)"
             )
+        self._sampler.load_state_dict(state_dict["sampler"])  # checks before it changes
         self._active = None
-        self._sampler.load_state_dict(state_dict["sampler"])
 
     # ---- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[GadgetBatch]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from .._device import resolve_placement
+from .._dtypes import dtype_name
 from .._errors import GadgetKeyError, GadgetValueError
 from ._base import Store
 from ._file import FileStore, file_store
@@ -28,6 +30,8 @@ __all__ = [
 ]
 
 _IN_MEMORY: dict[str, Any] = {"cpu": CpuStore, "cuda": CudaStore, "pinned": PinnedStore}
+#: the most bytes one torch storage can describe
+_MAX_BYTES = 2**63 - 1
 
 
 def empty_store(
@@ -44,6 +48,12 @@ def empty_store(
             f"(in-memory placements: {sorted(_IN_MEMORY)})"
         )
     cls = _IN_MEMORY[where]
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes > _MAX_BYTES:
+        raise GadgetValueError(
+            f"a {dtype_name(dtype)} table of shape {tuple(shape)} needs {nbytes:,} bytes, more "
+            f"than any {where} allocation can hold ({_MAX_BYTES:,})"
+        )
     if cls is CpuStore:
         return CpuStore(shape, dtype)
     return cls(shape, dtype, device)

@@ -177,8 +177,9 @@ class Store(abc.ABC):
         return dv[start:stop].cpu()
 
     def write_block(self, start: int, rows: torch.Tensor) -> None:
-        """Write contiguous rows from ``start`` (any device)."""
+        """Write contiguous rows from ``start`` (any device; values only, never autograd)."""
         self.check_writable()
+        rows = rows.detach()  # a Parameter copied in must not put the table under autograd
         stop = start + rows.shape[0]
         hv = self.host_view()
         if hv is not None and not rows.is_cuda:
@@ -202,8 +203,8 @@ class Store(abc.ABC):
         if view is None:
             view = self.host_view()
         assert view is not None
-        with torch.no_grad():
-            fn(view, *args, **kwargs)
+        with torch.no_grad():  # an alias: a shape-changing fn (t_, resize_) leaves the table's
+            fn(view.view(view.shape), *args, **kwargs)
 
     def synchronize(self) -> None:
         """Wait for GPU work on this store's device (not on the hot path)."""

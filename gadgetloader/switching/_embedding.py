@@ -31,6 +31,7 @@ from ..stores._base import gather_many as gather_stores
 from ._optim import (
     StatePager,
     check_optimizer_kind,
+    keep_saved_scalar_dtypes,
     optimizer_kind,
     optimizer_tags,
     supported_name,
@@ -877,6 +878,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         params: Iterable[Any] | nn.Module,
         **kwargs: Any,
     ) -> None:
+        if isinstance(optimizer_class, torch.optim.Optimizer):
+            raise GadgetTypeError(
+                f"OffloadedOptimizer takes an optimizer class and its arguments, e.g. "
+                f"OffloadedOptimizer(torch.optim.Adam, model, lr=1e-3); got an instance of "
+                f"{type(optimizer_class).__name__} (its parameters cannot reach the tables)"
+            )
         self.optimizer_name = supported_name(optimizer_class)
         rest_tables, plain, dict_groups = _collect(params)
         tables = [m for _, ts in dict_groups for m in ts] + rest_tables
@@ -1249,6 +1256,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 f"the saved optimizer state does not fit this {optimizer_kind(self.inner)} "
                 f"({type(exc).__name__}: {exc})"
             ) from exc
+        keep_saved_scalar_dtypes(self.inner, sd)
         # load_state_dict rebuilt inner.state and the groups; share them again
         self._share_groups()
         self.state = self.inner.state

@@ -216,6 +216,11 @@ def probe_state(
     )
     accepted = inspect.signature(cls.__init__).parameters
     kwargs = {k: v for k, v in hyper.items() if k in accepted}
+    defaults = getattr(optimizer, "defaults", {})
+    if "initial_accumulator_value" in kwargs and "initial_accumulator_value" in defaults:
+        # torch's Adagrad fills every group's `sum` from its constructor's value and
+        # ignores a group's own
+        kwargs["initial_accumulator_value"] = defaults["initial_accumulator_value"]
     try:
         probe_opt = cls([probe], **kwargs)
     except Exception as exc:
@@ -701,7 +706,12 @@ class StatePager:
         for key, value in values.items():
             cur = state.get(key)
             if isinstance(cur, torch.Tensor) and isinstance(value, torch.Tensor):
-                cur.copy_(value.to(cur.device, cur.dtype))
+                if cur.dtype != value.dtype and value.dim() == 0:
+                    # torch's load_state_dict cast it to the parameter's dtype; torch kept
+                    # it in another (NAdam's float32 mu_product beside float64 tables)
+                    state[key] = value.to(cur.device).clone()
+                else:
+                    cur.copy_(value.to(cur.device, cur.dtype))
             else:
                 state[key] = (
                     _snapshot(value)
@@ -709,6 +719,30 @@ class StatePager:
                     else torch.as_tensor(value, dtype=cur.dtype, device=cur.device)
                 )
         self.mark_loaded()
+
+
+def keep_saved_scalar_dtypes(optimizer: torch.optim.Optimizer, sd: Mapping[str, Any]) -> None:
+    """Undo one cast of torch's ``load_state_dict``, which gives every floating state value
+    its parameter's dtype: a scalar torch keeps in another dtype (NAdam's float32
+    ``mu_product`` beside float64 parameters) goes back to the saved dtype, so a resumed
+    run rounds as the uninterrupted one did."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for idx, entries in sd.get("state", {}).items():
+        if not isinstance(idx, int) or not 0 <= idx < len(params):
+            continue
+        live = optimizer.state.get(params[idx])
+        if not isinstance(live, dict) or not isinstance(entries, Mapping):
+            continue
+        for key, saved in entries.items():
+            cur = live.get(key)
+            if (
+                key != "step"
+                and isinstance(saved, torch.Tensor)
+                and isinstance(cur, torch.Tensor)
+                and saved.dim() == 0
+                and saved.dtype != cur.dtype
+            ):
+                live[key] = saved.to(cur.device).clone()
 
 
 def _fused_sgd_momentum(optimizer: torch.optim.Optimizer) -> bool:
@@ -878,7 +912,7 @@ class OptimizerSwitch:
         dtype: Any = None,
         placement: str = "pinned",
     ) -> None:
-        from .._dtypes import as_torch_dtype
+        from .._dtypes import as_torch_dtype, dtype_name
 
         self.optimizer_name = supported_name(given_optimizer)
         self.optimizer = given_optimizer
@@ -893,6 +927,12 @@ class OptimizerSwitch:
         self.embed_dimension = as_count(embed_dimension, "embed_dimension")
         self.variable_name = variable_name
         self._dtype = as_torch_dtype(dtype) if dtype is not None else None
+        if self._dtype is not None and not self._dtype.is_floating_point:
+            raise GadgetTypeError(
+                f"dtype {dtype_name(self._dtype)!r}: optimizer state tables must be "
+                "floating point (float32, float64, float16 or bfloat16); an integer or bool "
+                "table would round the state away at every write-back"
+            )
         self._placement = placement
         self.pager: StatePager | None = None
         self._own_cache = PlanCache()
