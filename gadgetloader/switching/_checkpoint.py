@@ -12,6 +12,8 @@ so training resumes bit-identically.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import re
 import shutil
@@ -19,6 +21,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,10 +35,16 @@ from .._errors import (
     GadgetValueError,
 )
 from ..gadget import DataGadget
+from ..io._stream import STAGING_BYTES, blocks
 from . import _embedding
 from ._embedding import OffloadedOptimizer, _OffloadedTable
 from ._model import ModelSwitch
-from ._optim import OptimizerSwitch, check_optimizer_kind, optimizer_tags
+from ._optim import (
+    OptimizerSwitch,
+    check_optimizer_kind,
+    keep_saved_scalar_dtypes,
+    optimizer_tags,
+)
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -48,6 +57,41 @@ def _extension(fmt: str) -> str:
     if fmt not in formats:
         raise GadgetKeyError(f"Unknown format {fmt!r}; expected one of {sorted(formats)}")
     return formats[fmt][2][0]
+
+
+def _check_objects(objects: Any, what: str) -> None:
+    """Refuse anything but a mapping of safe names (they become file-name prefixes)."""
+    if not isinstance(objects, Mapping):
+        raise GadgetTypeError(
+            f"{what} expected a mapping of names to modules / optimizers, e.g. "
+            f"{{'model': model, 'optimizer': opt}}; got {type(objects).__name__}"
+        )
+    for name in objects:
+        if (
+            not isinstance(name, str)
+            or name in ("", ".", "..")
+            or "/" in name
+            or "\\" in name
+            or "\0" in name
+            or (os.altsep is not None and os.altsep in name)
+        ):
+            raise GadgetValueError(
+                f"{what}: object names start the checkpoint's file names, so each must be "
+                "a non-empty str without '/', '\\' or NUL characters and not '.' or '..'; "
+                f"got {name!r}"
+            )
+
+
+def _plain_file_name(f: Any) -> bool:
+    """Whether ``f`` names a file right inside the checkpoint directory."""
+    return (
+        isinstance(f, str)
+        and f not in ("", ".", "..")
+        and "\0" not in f
+        and os.path.basename(f) == f
+        and not os.path.isabs(f)
+        and "\\" not in f
+    )
 
 
 def _parts(obj: Any) -> tuple[str, dict[str, DataGadget], Any]:
@@ -115,7 +159,8 @@ def save_checkpoint(
     objects : mapping of name to object
         What to save, e.g. ``{"model": model, "optimizer": opt}`` for the drop-in
         module, or ``{"u": u_switch, "u_opt": u_opt_switch, "opt": optimizer}`` for
-        SpeedTorch-style switchers.
+        SpeedTorch-style switchers. Names start the table files' names, so each must
+        be a non-empty str without ``/``, ``\\`` or NUL, and not ``.`` or ``..``.
     format : {'npy', 'hdf5', 'zarr'}, default 'npy'
         File format of the tables (HDF5 / zarr need their extras). bfloat16 tables
         need 'hdf5' or 'zarr' (NumPy has no bfloat16); 'npy' refuses them before
@@ -126,8 +171,23 @@ def save_checkpoint(
     Tables are streamed from their store (no full-size temporary on the GPU or in
     RAM) into files named for this save; ``meta.pt`` is written last and atomically,
     and only then are the previous checkpoint's table files removed. A save that dies
-    part-way therefore leaves the previous checkpoint in ``directory`` loadable, whole.
+    part-way therefore leaves the previous checkpoint in ``directory`` loadable, whole;
+    one that raises (a full disk, an interrupt) also removes the files it had written.
+
+    Raises
+    ------
+    GadgetTypeError
+        ``objects`` is not a mapping, holds an object of another kind, or a bfloat16
+        table is to be saved as ``.npy``.
+    GadgetValueError
+        An object name that cannot be part of a file name, or two names whose table
+        files would be named alike.
+    GadgetFileError
+        ``directory`` is an existing file, or cannot be created.
+    GadgetKeyError
+        An unknown ``format``.
     """
+    _check_objects(objects, "save_checkpoint")
     ext = _extension(format)
     parts = {name: _parts(obj) for name, obj in objects.items()}
     if format == "npy":
@@ -142,23 +202,70 @@ def save_checkpoint(
                 f"bfloat16 tables {bf16} have no .npy form; save the checkpoint with "
                 "format='hdf5' or format='zarr' (both keep bfloat16 bit-exact)"
             )
-    d = os.fspath(directory)
-    os.makedirs(d, exist_ok=True)
-    previous = _listed_files(d)
     # new table files get names of their own: until the new meta.pt replaces the old one,
     # the previous checkpoint stays whole (a save killed part-way never mixes the two)
     token = uuid.uuid4().hex[:8]
+    names = {
+        (name, tname): f"{name}.{tname}.{token}{ext}"
+        for name, (_, tables, _) in parts.items()
+        for tname in tables
+    }
+    if len(set(names.values())) != len(names):
+        seen: dict[str, tuple[str, str]] = {}
+        for key, fname in names.items():
+            if fname in seen:
+                raise GadgetValueError(
+                    f"save_checkpoint: object {seen[fname][0]!r} (table {seen[fname][1]!r}) and "
+                    f"object {key[0]!r} (table {key[1]!r}) would share the file name "
+                    f"{fname!r}; rename one of the objects"
+                )
+            seen[fname] = key
+    d = os.fspath(directory)
+    if os.path.exists(d) and not os.path.isdir(d):
+        raise GadgetFileError(
+            f"save_checkpoint: {d} is an existing file; expected a directory (or a path "
+            "where one can be created)"
+        )
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as exc:
+        raise GadgetFileError(
+            f"save_checkpoint: cannot create the checkpoint directory {d} ({exc})"
+        ) from exc
+    previous = _listed_files(d)
     entries: dict[str, Any] = {}
-    for name, (kind, tables, meta) in parts.items():
-        files = {}
-        for tname, table in tables.items():
-            fname = f"{name}.{tname}.{token}{ext}"
-            table.save(os.path.join(d, fname), format=format, progress=progress)
-            files[tname] = fname
-        entries[name] = {"kind": kind, "tables": files, "meta": meta}
     tmp = os.path.join(d, _META + ".tmp")
-    torch.save({"version": _VERSION, "format": format, "objects": entries}, tmp)
-    os.replace(tmp, os.path.join(d, _META))
+    written: list[str] = []
+    try:
+        for name, (kind, tables, meta) in parts.items():
+            files = {}
+            for tname, table in tables.items():
+                fname = names[(name, tname)]
+                written.append(fname)  # before the save: whatever it leaves goes on failure
+                table.save(os.path.join(d, fname), format=format, progress=progress)
+                files[tname] = fname
+            entries[name] = {"kind": kind, "tables": files, "meta": meta}
+        torch.save({"version": _VERSION, "format": format, "objects": entries}, tmp)
+        os.replace(tmp, os.path.join(d, _META))
+    except BaseException:
+        # this save's files are a full copy of the tables (and a full disk the likeliest
+        # cause): remove them, so the previous checkpoint is all that is left, as it was
+        # (a removal that fails itself must not hide the error that brought us here)
+        with contextlib.suppress(OSError):
+            _remove(tmp)
+        if set(written) & _listed_files(d):  # an interrupt just after meta.pt took its place
+            raise
+        for fname in written:
+            with contextlib.suppress(OSError):
+                _remove(os.path.join(d, fname))
+                real = os.path.realpath(os.path.join(d, fname))
+                pattern = os.path.join(
+                    glob.escape(os.path.dirname(real)),
+                    glob.escape(f".{os.path.basename(real)}.partial-") + "*",
+                )
+                for stray in glob.glob(pattern):  # a temporary a failed write left
+                    _remove(stray)
+        raise
     current = {f for e in entries.values() for f in e["tables"].values()}
     # the previous checkpoint's tables, and those of saves that died part-way, now unused
     prefixes = [
@@ -179,9 +286,10 @@ def _listed_files(d: str) -> set[str]:
         return set()
     try:
         saved = torch.load(meta_path, map_location="cpu", weights_only=True)
-        return {f for e in saved["objects"].values() for f in e["tables"].values()}
+        listed = {f for e in saved["objects"].values() for f in e["tables"].values()}
     except Exception:  # an unreadable old meta.pt: leave its files alone
         return set()
+    return {f for f in listed if _plain_file_name(f)}  # never a path outside ``d``
 
 
 def _remove(path: str) -> None:
@@ -267,23 +375,108 @@ def _check_optimizer(name: str, opt: torch.optim.Optimizer, saved_sd: Mapping[st
         )
 
 
-def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any]) -> None:
+def _verify_rows(path: str, fmt: str) -> None:
+    """Read every row of a table file through the reader a load uses, discarding them
+    (one staging block of memory), so a damaged chunk is found before anything changes."""
+    src = _io.open_source(path, format=fmt)
+    try:
+        if src.format == "npy":  # opening it checked the header against the file's size
+            return
+        rpb = max(1, STAGING_BYTES // max(1, src.row_nbytes))
+        c = max(1, int(src.chunk_rows))
+        rpb = max(c, rpb // c * c)  # whole chunks: each is decoded once
+        buf = np.empty((min(rpb, src.num_rows), *src.shape[1:]), dtype=src.numpy_dtype)
+        for start, stop in blocks(src.num_rows, rpb):
+            src.read_into(start, stop, buf[: stop - start])
+    finally:
+        src.close()
+
+
+#: what each kind of entry keeps in its ``meta``
+_META_KEYS = {
+    "module": ("state_dict",),
+    "optimizer": ("state_dict",),
+    "offloaded_optimizer": ("inner",),
+    "optimizer_switch": ("scalars",),
+}
+
+
+def _damaged(meta_path: str, what: str) -> GadgetFileError:
+    return GadgetFileError(f"{meta_path} is damaged or was not written by save_checkpoint: {what}")
+
+
+def _check_entry(meta_path: str, name: str, entry: Any) -> None:
+    """Refuse an object entry of ``meta.pt`` that lacks what a load reads."""
+    if not isinstance(entry, Mapping) or not {"kind", "tables", "meta"} <= set(entry):
+        got = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
+        raise _damaged(
+            meta_path, f"object {name!r} should have 'kind', 'tables' and 'meta'; got {got}"
+        )
+    tables = entry["tables"]
+    if not isinstance(tables, Mapping) or not all(
+        isinstance(t, str) and _plain_file_name(f) for t, f in tables.items()
+    ):
+        raise _damaged(
+            meta_path,
+            f"object {name!r} should map table names to file names in the checkpoint "
+            f"directory; got {tables!r}"[:500],
+        )
+    meta = entry["meta"]
+    keys = _META_KEYS.get(entry["kind"], ()) if isinstance(entry["kind"], str) else ()
+    if keys and (not isinstance(meta, Mapping) or not set(keys) <= set(meta)):
+        got = sorted(map(str, meta)) if isinstance(meta, Mapping) else type(meta).__name__
+        raise _damaged(
+            meta_path,
+            f"the meta of {entry['kind']} object {name!r} should hold {list(keys)}; got {got}",
+        )
+
+
+def load_checkpoint(
+    directory: str | os.PathLike[str], objects: Mapping[str, Any], *, verify: bool = True
+) -> None:
     """Restore what :func:`save_checkpoint` wrote into freshly built, identically configured objects.
 
     Every object is checked against the checkpoint (names, kinds, table files, shapes,
     dtypes, module keys, optimizer parameter groups) before any of them is changed, so a
     checkpoint that does not fit leaves every object as it was.
 
+    Parameters
+    ----------
+    directory : path
+        What :func:`save_checkpoint` wrote.
+    objects : mapping of name to object
+        The objects to restore, under the names they were saved with.
+    verify : bool, default True
+        Before changing anything, read every HDF5 / zarr table file through, chunk by
+        chunk, and discard the rows, so a damaged or truncated chunk raises with every
+        object left as it was (a ``.npy`` file needs only its header checked against the
+        file's size). This costs one extra read of those table files (about doubling a
+        load's disk reads and decompression), with one staging block (64 MiB) of RAM, never
+        the table's size. ``verify=False`` skips it; a damaged chunk then still raises,
+        but objects and tables loaded before it keep the checkpoint's state.
+
     Raises
     ------
     GadgetFileNotFoundError
         No ``meta.pt`` in ``directory`` (the checkpoint is missing or incomplete).
+    GadgetFileError
+        A ``meta.pt`` that is damaged or not a checkpoint, or a table file that is
+        damaged or truncated.
+    GadgetTypeError
+        ``objects`` is not a mapping of names to objects.
     GadgetKeyError, GadgetValueError
         An object name, kind, table name, shape or dtype that does not match.
     """
+    _check_objects(objects, "load_checkpoint")
+    if not isinstance(verify, bool):
+        raise GadgetTypeError(f"verify must be True or False; got {verify!r}")
     d = os.fspath(directory)
     meta_path = os.path.join(d, _META)
     if not os.path.exists(meta_path):
+        if os.path.exists(d) and not os.path.isdir(d):
+            raise GadgetFileNotFoundError(
+                f"no checkpoint in {d}: it is a file; expected the directory save_checkpoint wrote"
+            )
         raise GadgetFileNotFoundError(f"no checkpoint in {d}: {_META} is missing")
     try:
         saved = torch.load(meta_path, map_location="cpu", weights_only=True)
@@ -291,6 +484,14 @@ def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any
         saved_objects = saved["objects"]
     except Exception as exc:
         raise GadgetFileError(f"{meta_path} is not a gadgetloader checkpoint ({exc})") from exc
+    if not isinstance(saved_objects, Mapping) or not all(isinstance(k, str) for k in saved_objects):
+        raise _damaged(
+            meta_path, f"'objects' should map names to objects; got {type(saved_objects).__name__}"
+        )
+    if not isinstance(fmt, str) or fmt not in _io.FORMATS:
+        raise _damaged(
+            meta_path, f"its tables' format is {fmt!r}; expected one of {sorted(_io.FORMATS)}"
+        )
     plan = []
     for name, obj in objects.items():
         if name not in saved_objects:
@@ -298,6 +499,7 @@ def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any
                 f"the checkpoint has no object {name!r}; it holds {sorted(saved_objects)}"
             )
         entry = saved_objects[name]
+        _check_entry(meta_path, name, entry)
         kind, tables, _ = _parts(obj)
         # an optimizer's checkpoint may hold state its hyper-parameters have not turned on
         # yet (a scheduler's momentum): those tables are added once everything is checked
@@ -306,7 +508,8 @@ def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any
             for t in set(entry["tables"]) - set(tables)
             if kind == "offloaded_optimizer"
         }
-        saved_groups = (entry.get("meta") or {}).get("inner", {}).get("param_groups")
+        inner = entry["meta"].get("inner") if isinstance(entry["meta"], Mapping) else None
+        saved_groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
         extra = {
             t: v
             for t, v in found.items()
@@ -351,6 +554,10 @@ def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any
             else:
                 _check_table(tables[tname], path, fmt)
         plan.append((obj, kind, tables, meta, files, extra))
+    if verify:  # a damaged chunk raises here, before anything below changes an object
+        for *_, files, _ in plan:
+            for path in files.values():
+                _verify_rows(path, fmt)
     for obj, kind, tables, meta, files, extra in plan:
         for tname, (pager, key) in extra.items():
             first = next(iter(pager.tables.values()), None)
@@ -365,6 +572,7 @@ def load_checkpoint(directory: str | os.PathLike[str], objects: Mapping[str, Any
                 _embedding._EXTERNAL_TABLES.pop()
         elif kind == "optimizer":
             obj.load_state_dict(meta["state_dict"])
+            keep_saved_scalar_dtypes(obj, meta["state_dict"])
         elif kind == "offloaded_optimizer":
             obj._load_inner(meta["inner"])
         for tname, path in files.items():
