@@ -258,3 +258,38 @@ def test_a_refused_loader_state_leaves_the_resume_position():
     resumed = gl.GadgetLoader(ds, batch_size=10, coalesce=4, order="sequential")
     resumed.load_state_dict(loader.state_dict())
     assert next(iter(resumed))[0][0].item() == 10.0
+
+
+def test_a_refused_loader_epoch_leaves_the_resume_position():
+    ds = gl.GadgetDataset(np.arange(100, dtype=np.float32), placement="cpu", device="cpu")
+    loader = gl.GadgetLoader(ds, batch_size=10, coalesce=4, order="sequential")
+    it = iter(loader)
+    next(it)
+    good = loader.state_dict()
+    with pytest.raises(gl.GadgetValueError):
+        loader.set_epoch(-1)
+    assert loader.state_dict() == good
+
+
+def test_chunk_order_reads_each_chunk_once_with_columns_of_different_chunkings(tmp_path):
+    zarr = pytest.importorskip("zarr")
+    n, d = 3000, 4
+    data = np.arange(n * d, dtype=np.float32).reshape(n, d)
+    paths = []
+    for name, chunk in (("a", 96), ("b", 64)):
+        z = zarr.open(
+            str(tmp_path / f"{name}.zarr"),
+            mode="w",
+            shape=data.shape,
+            chunks=(chunk, d),
+            dtype="float32",
+        )
+        z[:] = data
+        paths.append(str(tmp_path / f"{name}.zarr"))
+    ds = gl.GadgetDataset(*paths, placement="file", cache_bytes=2 * 2 * 192 * d * 4, device="cpu")
+    assert ds.chunk_rows == 192  # both chunkings line up with it
+    s = gl.GadgetSampler(ds, batch_size=50, order="chunk", window_chunks=2, seed=0)
+    seen = np.concatenate([b[1].numpy() for b in gl.GadgetLoader(ds, sampler=s)])
+    np.testing.assert_array_equal(np.sort(seen[:, 0]), data[:, 0])
+    for g in ds.columns:
+        assert g.store.stats["misses"] == -(-n // g.store.block_rows)

@@ -12,6 +12,7 @@ batched tensors with no per-sample work and no stacking.
 from __future__ import annotations
 
 import array
+import math
 import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -226,10 +227,17 @@ class GadgetDataset(Dataset[Any]):
 
     @property
     def chunk_rows(self) -> int | None:
-        """The largest file chunk (in rows) among file-backed columns, or None."""
+        """The chunk (in rows) that the ``chunk`` order shuffles, or None without file-backed
+        columns: the least common multiple of the file columns' chunk sizes, so that every
+        column's chunks line up with it and each is read once per epoch, or the largest
+        size where that multiple is over :data:`CHUNK_LCM_MAX` times it (chunks of the
+        other columns that straddle two of its chunks may then be read twice)."""
         sizes = [chunk_rows_of(g.store) for g in self._columns]
         known = [s for s in sizes if s]
-        return max(known) if known else None
+        if not known:
+            return None
+        common = math.lcm(*known)
+        return common if common <= CHUNK_LCM_MAX * max(known) else max(known)
 
     def __len__(self) -> int:
         return self._num_rows
@@ -424,6 +432,9 @@ class GadgetDataset(Dataset[Any]):
 
 
 _CPU = torch.device("cpu")
+#: the ``chunk`` order lines up with every file column's chunks while their least common
+#: multiple is at most this many times the largest (see :attr:`GadgetDataset.chunk_rows`)
+CHUNK_LCM_MAX = 16
 
 #: how a column's rows move (see :func:`_route`)
 _KERNEL, _HOST, _STORE = "kernel", "host", "store"

@@ -223,9 +223,11 @@ class GadgetLoader:
         return len(self._sampler)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` from its first batch at the next ``iter()``."""
+        """Start epoch ``epoch`` at the next ``iter()``: from its first batch, or, right after
+        :meth:`load_state_dict` of that epoch, from the loaded position (as
+        :meth:`GadgetSampler.set_epoch`). A refused epoch changes nothing."""
+        self._sampler.set_epoch(epoch)  # checks before it changes
         self._active = None
-        self._sampler.set_epoch(epoch)
 
     # ---- resume ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
