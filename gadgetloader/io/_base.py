@@ -58,6 +58,19 @@ class ArraySource(abc.ABC):
         """Whether this file's rows can be written in place (:meth:`write_rows`)."""
         return self.supports_writes
 
+    def read_only_reason(self) -> str | None:
+        """Why this file's rows cannot be written in place (None when they can)."""
+        if self.writes_in_place():
+            return None
+        return f"{self.format} files cannot be written in place"
+
+    @property
+    def write_unit_rows(self) -> int:
+        """Rows of the unit the file rewrites whole when any of its rows is written (a
+        chunk, or a zarr shard); 1 where rows are written in place one by one. A write
+        covering only part of a unit makes the format read (decode) the rest of it."""
+        return 1
+
     @property
     def shape(self) -> tuple[int, ...]:
         return self._shape

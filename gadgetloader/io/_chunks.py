@@ -12,6 +12,7 @@ sequential save is written exactly once, whole.
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,8 @@ __all__ = [
     "ChunkAligner",
     "as_bits",
     "check_compression",
+    "check_dataset_name",
+    "check_free_space",
     "check_sink_target",
     "table_dtype",
     "default_chunk_rows",
@@ -129,6 +132,61 @@ def check_sink_target(path: Path, shape: tuple[int, ...], store: str = "file") -
     if len(shape) == 0:
         raise GadgetValueError(f"{path}: a table needs at least one axis; got shape ()")
     return shape
+
+
+#: bytes a new file may need beyond what its format's sink counts (headers, metadata)
+SPACE_SLACK_BYTES = 16 << 10
+
+
+def check_free_space(path: Path, need: int) -> None:
+    """Refuse a save of an uncompressed table that cannot fit beside ``path``.
+
+    The new file is written beside the target (the old one stays until the rename), so
+    ``need`` bytes plus :data:`SPACE_SLACK_BYTES` must be free in its folder. Checked
+    before anything is created: HDF5 can crash the process (upstream) while closing a
+    file whose writes failed for want of space. A folder whose free space cannot be
+    read is not checked.
+
+    Raises
+    ------
+    GadgetFileError
+        Not enough free space.
+    """
+    folder = resolved_target(path).parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except (OSError, ValueError):
+        return
+    total = int(need) + SPACE_SLACK_BYTES
+    if free < total:
+        raise GadgetFileError(
+            f"cannot save {path}: not enough space: need {total} bytes, {free} free on "
+            f"{folder}; free some space or save elsewhere"
+        )
+
+
+def check_dataset_name(dataset: str | None, fmt: str, path: object) -> str | None:
+    """A dataset / array name for a new file, without empty parts (``'/a//b/'`` is ``'a/b'``).
+
+    Raises
+    ------
+    GadgetTypeError
+        Not a string.
+    GadgetValueError
+        A name with ``.`` or ``..`` parts (``'..'``, ``'a/../x'``), or none: it must name
+        an array below the file's root.
+    """
+    if dataset is None:
+        return None
+    if not isinstance(dataset, str):
+        raise GadgetTypeError(f"dataset must be a string (a name inside the file); got {dataset!r}")
+    parts = [part for part in dataset.split("/") if part]
+    if not parts or any(part in (".", "..") for part in parts):
+        raise GadgetValueError(
+            f"dataset {dataset!r} is not a valid {fmt} array name for {path}: expected names "
+            "joined by '/' below the root (e.g. 'data' or 'group/emb'), without '.' or '..'"
+        )
+    return "/".join(parts)
 
 
 def default_chunk_rows(row_nbytes: int, num_rows: int, chunk_rows: int | None = None) -> int:

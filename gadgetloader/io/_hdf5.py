@@ -44,6 +44,8 @@ from ._chunks import (
     ChunkAligner,
     as_bits,
     check_compression,
+    check_dataset_name,
+    check_free_space,
     check_level,
     check_sink_target,
     default_chunk_rows,
@@ -118,6 +120,11 @@ def _h5_open(h5py: ModuleType, path: str, mode: str) -> Any:
     unlocked handles of a file, and users open the same files with h5py themselves. What
     a worker reads while the main process writes rows is not defined (as for any file
     written in place); rows written before the worker opened the file are seen.
+
+    A handle for writing has no chunk cache: a file table writes whole blocks and flushes
+    after every call anyway, and a chunk HDF5 still caches when a write fails for want
+    of space crashes the process when the file is closed (upstream); uncached, the
+    write itself raises.
     """
     if mode == "r" and _worker_info() is not None:
         try:
@@ -129,6 +136,8 @@ def _h5_open(h5py: ModuleType, path: str, mode: str) -> Any:
             # user's own h5py code held when the worker was forked
             if "locking flag" not in str(exc):
                 raise
+    if mode == "r+":
+        return h5py.File(path, mode, rdcc_nbytes=0)
     return h5py.File(path, mode)
 
 
@@ -342,6 +351,8 @@ class Hdf5Source(ArraySource):
         self._fd_pid = 0
         self._map: Any = None
         self._map_pid = 0
+        #: the file size the mapped rows need (the end of the last row or allocated chunk)
+        self._map_end = 0
         self._all_raw = False
         f = self._open_file(h5py)
         try:
@@ -407,6 +418,20 @@ class Hdf5Source(ArraySource):
     def writes_in_place(self) -> bool:
         """Rows of a dataset behind an external link are not written in place."""
         return bool(self.supports_writes) and not getattr(self, "external", False)
+
+    def read_only_reason(self) -> str | None:
+        if getattr(self, "external", False):
+            return (
+                f"its rows ({self.path}[{self.dataset!r}]) live in another file, reached "
+                "through an HDF5 external link; open that file directly to write, or load the "
+                "table into memory"
+            )
+        return None
+
+    @property
+    def write_unit_rows(self) -> int:
+        """A chunked dataset's chunk length (HDF5 rewrites whole chunks); 1 for contiguous."""
+        return self.chunk_rows if self.chunked else 1
 
     def _open_file(self, h5py: ModuleType | None = None) -> Any:
         h5py = h5py or import_h5py()
@@ -681,6 +706,7 @@ class Hdf5Source(ArraySource):
             rows = self._row_map()
             if rows is None:
                 return False
+            self._check_map_size()
             rb = self.row_nbytes
             dst = as_bits(out, self.dtype).reshape(ids.size, -1).view(np.uint8)
             if isinstance(rows, np.ndarray):  # contiguous: the rows in file order
@@ -698,6 +724,20 @@ class Hdf5Source(ArraySource):
             pos = table[k, 0] + (ids - k * c) * rb
             dst[...] = view[pos]  # one fancy index over rows starting at any byte offset
             return True
+
+    def _check_map_size(self) -> None:
+        """Raise if the file is now shorter than the mapped rows need: reading a mapped page
+        past the end of a file kills the process (SIGBUS) instead of raising. A rewrite
+        in place at the same or a larger size is not detected."""
+        try:
+            size = os.fstat(self._raw_fd()).st_size
+        except OSError as exc:
+            raise GadgetFileError(f"{self.path}: cannot check its size ({exc})") from exc
+        if size < self._map_end:
+            raise GadgetFileError(
+                f"{self.path} shrank to {size} bytes since this table mapped its rows (they "
+                f"need {self._map_end}); was it rewritten in place? open it again"
+            )
 
     def _check_writes(self) -> None:
         """Forget cached chunk positions if any source of this file wrote since."""
@@ -724,6 +764,7 @@ class Hdf5Source(ArraySource):
         if self._map_pid == os.getpid():
             return self._map
         self._map, self._map_pid, self._all_raw = None, os.getpid(), False
+        self._map_end = 0
         ds = self._dataset()
         rb = self.row_nbytes
         size = os.path.getsize(self.path)
@@ -744,15 +785,17 @@ class Hdf5Source(ArraySource):
                     ds.read_direct(want, np.s_[r : r + 1], np.s_[0:1])
                     if want.tobytes() != rows[r].tobytes():
                         return None
-                self._map = rows
+                self._map, self._map_end = rows, int(offset) + self.num_rows * rb
                 return self._map
             table = self._chunk_table(ds)
             if table is None or size < rb:
                 return None
             alloc = table[:, 0] >= 0
-            if (table[alloc, 0] + table[alloc, 1] > size).any():
+            ends = table[alloc, 0] + table[alloc, 1]
+            if (ends > size).any():
                 return None  # an index pointing past the end: do not map
             whole = np.memmap(self.path, dtype=np.uint8, mode="r")
+            self._map_end = int(ends.max()) if ends.size else 0
         except (OSError, ValueError):
             return None
         view = np.lib.stride_tricks.as_strided(
@@ -836,9 +879,17 @@ class Hdf5Source(ArraySource):
         stop = start + rows.shape[0]
         with self._guard():
             ds = self._dataset()
-            ds.write_direct(np.ascontiguousarray(rows), np.s_[0 : stop - start], np.s_[start:stop])
-            real = self._realpath()
-            _WRITES[real] = _WRITES.get(real, 0) + 1
+            try:
+                ds.write_direct(
+                    np.ascontiguousarray(rows), np.s_[0 : stop - start], np.s_[start:stop]
+                )
+            except (OSError, RuntimeError) as exc:  # a damaged chunk, a full disk
+                raise GadgetFileError(
+                    f"{self.path}[{self.dataset!r}]: cannot write rows {start}:{stop} ({exc})"
+                ) from exc
+            finally:  # rows may have been written before an error, too
+                real = self._realpath()
+                _WRITES[real] = _WRITES.get(real, 0) + 1
             # (the file table flushes HDF5's caches once per write call: other tables of
             # this file read chunks by their file offsets, DataLoader workers the file)
 
@@ -846,7 +897,12 @@ class Hdf5Source(ArraySource):
         """Push written rows to the file (the OS may still hold them)."""
         with self._guard():
             if self._file is not None and self._pid == os.getpid() and self._mode == "r+":
-                self._file.flush()
+                try:
+                    self._file.flush()
+                except (OSError, RuntimeError) as exc:  # a full disk
+                    raise GadgetFileError(
+                        f"{self.path}: cannot flush written rows ({exc})"
+                    ) from exc
 
 
 class Hdf5Sink(ArraySink):
@@ -889,14 +945,20 @@ class Hdf5Sink(ArraySink):
         self.path = Path(path)
         self.shape = check_sink_target(self.path, shape)
         self.dtype = dtype
-        self.dataset = (dataset or DEFAULT_DATASET).strip("/")
+        self.dataset = check_dataset_name(dataset or None, "HDF5", self.path) or DEFAULT_DATASET
         comp = check_compression(compression, _COMPRESSIONS, "HDF5", self.path)
         compression_level = check_level(comp, compression_level, "HDF5", self.path)
         npd = numpy_dtype(dtype)
         row_nbytes = int(np.prod(self.shape[1:], dtype=np.int64)) * npd.itemsize
         self.chunk_rows = default_chunk_rows(row_nbytes, self.shape[0], chunk_rows)
+        if comp is None:  # whole chunks (the last one too), and an index entry for each
+            n_chunks = -(-self.shape[0] // self.chunk_rows)
+            check_free_space(self.path, n_chunks * (self.chunk_rows * row_nbytes + 64))
         self._tmp = temp_path_beside(self.path)
-        self._f: Any = h5py.File(self._tmp, "w")
+        # no chunk cache: the aligned writes hand HDF5 whole chunks, and a chunk that
+        # HDF5 still caches when a write fails for want of space crashes the process
+        # when the file is closed (upstream); uncached, the write itself raises
+        self._f: Any = h5py.File(self._tmp, "w", rdcc_nbytes=0)
         try:
             kwargs: dict[str, Any] = {}
             if comp is not None:
@@ -923,17 +985,29 @@ class Hdf5Sink(ArraySink):
 
     def _write_raw(self, start: int, rows: np.ndarray) -> None:
         stop = start + rows.shape[0]
-        self._ds.write_direct(
-            np.ascontiguousarray(rows), np.s_[0 : stop - start], np.s_[start:stop]
-        )
+        with self._errors(f"write rows {start}:{stop}"):
+            self._ds.write_direct(
+                np.ascontiguousarray(rows), np.s_[0 : stop - start], np.s_[start:stop]
+            )
+
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Any:
+        """h5py's write errors (OSError; RuntimeError from a flush) as GadgetFileError."""
+        try:
+            yield
+        except (OSError, RuntimeError) as exc:
+            if isinstance(exc, GadgetFileError):
+                raise
+            raise GadgetFileError(f"cannot save {self.path}: cannot {what} ({exc})") from exc
 
     def write(self, start: int, rows: np.ndarray) -> None:
         self._aligner.write(start, as_bits(rows, self.dtype))
 
     def commit(self) -> None:
         self._aligner.flush()
-        self._f.flush()
-        self._f.close()
+        with self._errors("flush the file"):
+            self._f.flush()
+            self._f.close()
         self._f = None
         fd = os.open(self._tmp, os.O_RDONLY)
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import weakref
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -21,7 +22,7 @@ from .._errors import (
 )
 from ._atomic import remove_path, replace_atomically, temp_path_beside
 from ._base import ArraySink, ArraySource
-from ._chunks import check_sink_target
+from ._chunks import check_free_space, check_sink_target
 
 __all__ = ["NpySink", "NpySource", "is_npy"]
 
@@ -111,6 +112,8 @@ class NpySource(ArraySource):
     def _file(self) -> io.FileIO:
         if self._f is None or self._f.closed:
             self._f = open(self.path, "r+b" if self._mode == "r+" else "rb", buffering=0)  # noqa: SIM115
+            # closed quietly at exit too (a table still open then warned of an unclosed file)
+            weakref.finalize(self, self._f.close)
         return self._f
 
     def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
@@ -148,12 +151,19 @@ class NpySource(ArraySource):
         """A Fortran-ordered file's rows are not contiguous: it is never written in place."""
         return not self._fortran
 
-    def write_rows(self, start: int, rows: np.ndarray) -> None:
+    def read_only_reason(self) -> str | None:
         if self._fortran:
-            raise ReadOnlyError(
-                f"{self.path}: a Fortran-ordered .npy cannot be written in place; load it into "
-                "memory, or save it again (C order) with DataGadget(path).save(path)"
+            return (
+                f"{self.path} is a Fortran-ordered .npy, which cannot be written in place (its "
+                "rows are not contiguous); save it again in C order with "
+                "DataGadget(path).save(path) to write it"
             )
+        return None
+
+    def write_rows(self, start: int, rows: np.ndarray) -> None:
+        reason = self.read_only_reason()
+        if reason is not None:
+            raise ReadOnlyError(reason)
         # in the file's byte order (a big-endian file gets big-endian rows)
         data = np.ascontiguousarray(rows, dtype=self._file_dtype)
         f = self._file()
@@ -189,6 +199,7 @@ class NpySink(ArraySink):
         self.shape = check_sink_target(self.path, shape)
         self.dtype = dtype
         self._npd = numpy_dtype(dtype)
+        check_free_space(self.path, math.prod(self.shape) * self._npd.itemsize)
         self._tmp = temp_path_beside(self.path)
         self._f: BinaryIO | None = open(self._tmp, "wb")  # noqa: SIM115
         header = {

@@ -15,11 +15,13 @@ bfloat16 is stored as uint16 bits with the attribute
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import os
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +44,8 @@ from ._chunks import (
     ChunkAligner,
     as_bits,
     check_compression,
+    check_dataset_name,
+    check_free_space,
     check_level,
     check_sink_target,
     default_chunk_rows,
@@ -61,6 +65,8 @@ _MARKERS = ("zarr.json", ".zarray", ".zgroup")
 _COMPRESSIONS = ("zstd", "gzip", "blosc")
 #: bytes read beyond a chunk's decoded size in the first read of a compressed chunk
 _SLACK = 4096
+#: how long a failed write waits for zarr's other chunk writes still in flight
+_DRAIN_S = 60.0
 
 
 def import_zarr() -> ModuleType:
@@ -222,6 +228,9 @@ class ZarrSource(ArraySource):
             raise GadgetValueError(f"{where} holds a scalar; a table needs at least one axis")
         self.shape = tuple(int(s) for s in arr.shape)
         self.chunk_rows = int(arr.chunks[0]) if self.shape[0] else 1
+        shards = getattr(arr, "shards", None)
+        #: rows zarr rewrites whole when one of them is written: a shard, else a chunk
+        self._unit_rows = int(shards[0]) if shards and self.shape[0] else self.chunk_rows
         self._arr: Any = arr
         self._key: Any = None
         self._key_pid = 0
@@ -405,6 +414,11 @@ class ZarrSource(ArraySource):
             raise ValueError(f"chunk has {len(data)} bytes; expected {flat.nbytes}")
         flat[...] = np.frombuffer(data, dtype=np.uint8)
 
+    @property
+    def write_unit_rows(self) -> int:
+        """Rows of a shard (sharded arrays), else of a chunk: zarr rewrites it whole."""
+        return getattr(self, "_unit_rows", self.chunk_rows)
+
     def write_rows(self, start: int, rows: np.ndarray) -> None:
         rows = as_bits(rows, self.dtype)
         if self._mode != "r+":
@@ -414,6 +428,7 @@ class ZarrSource(ArraySource):
         try:
             self._array()[start : start + rows.shape[0]] = rows
         except Exception as exc:
+            _drain_zarr_writes()  # the call ends when its writes do
             raise GadgetFileError(
                 f"{self.path}: cannot write rows {start}:{start + rows.shape[0]} ({exc})"
             ) from exc
@@ -467,11 +482,15 @@ class ZarrSink(ArraySink):
         self.path = Path(path)
         self.shape = check_sink_target(self.path, shape, "zarr")
         self.dtype = dtype
+        dataset = check_dataset_name(dataset or None, "zarr", self.path)
         comp = check_compression(compression, _COMPRESSIONS, "zarr", self.path)
         compression_level = check_level(comp, compression_level, "zarr", self.path)
         npd = numpy_dtype(dtype)
         row_nbytes = int(np.prod(self.shape[1:], dtype=np.int64)) * npd.itemsize
         self.chunk_rows = default_chunk_rows(row_nbytes, self.shape[0], chunk_rows)
+        if comp is None:  # a file per chunk, the last one padded, each in whole blocks
+            n_chunks = -(-self.shape[0] // self.chunk_rows)
+            check_free_space(self.path, n_chunks * -(-self.chunk_rows * row_nbytes // 4096) * 4096)
         compressors: Any = None
         if comp == "zstd":
             compressors = ZstdCodec(
@@ -500,7 +519,7 @@ class ZarrSink(ArraySink):
             )
             if dataset:
                 root = zarr.open_group(store=store, mode="w")
-                self._arr = root.create_array(dataset.strip("/"), **kwargs)
+                self._arr = root.create_array(dataset, **kwargs)
             else:
                 self._arr = zarr.create_array(store=store, **kwargs)
         except BaseException:
@@ -530,7 +549,53 @@ class ZarrSink(ArraySink):
         replace_atomically(self._tmp, self.path)
 
     def abort(self) -> None:
-        remove_path(self._tmp)
+        # zarr writes chunks concurrently: when one fails, the others run on and would
+        # re-create the directory (and chunk files) after it is removed
+        try:
+            drained = _drain_zarr_writes()
+        finally:
+            remove_path(self._tmp)
+        if not drained:  # zarr's loop could not be reached: remove what comes back
+            time.sleep(0.5)
+            remove_path(self._tmp)
+
+
+def _drain_zarr_writes() -> bool:
+    """Wait (up to :data:`_DRAIN_S`) until zarr's event loop has no task left running:
+    the chunk writes of a call that raised when one of them failed. Returns False when
+    zarr's loop cannot be reached (its internals changed) or does not finish in time."""
+    try:
+        from zarr.core import sync as zsync
+
+        loop = zsync.loop[0]
+    except Exception:
+        return False
+    if loop is None:  # zarr never ran anything in this process
+        return True
+    if not isinstance(loop, asyncio.AbstractEventLoop) or loop.is_closed():
+        return False
+    if threading.current_thread() is getattr(zsync, "iothread", [None])[0]:
+        return False  # on zarr's own loop thread: waiting there would never end
+
+    async def others() -> None:
+        me = asyncio.current_task()
+        while True:
+            pending = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+            if not pending:
+                return
+            await asyncio.wait(pending)
+
+    try:
+        fut = asyncio.run_coroutine_threadsafe(others(), loop)
+    except Exception:
+        return False
+    try:
+        fut.result(timeout=_DRAIN_S)
+    except Exception:  # timed out
+        return False
+    finally:
+        fut.cancel()  # nothing when it is done
+    return True
 
 
 _WRITER: list[concurrent.futures.ThreadPoolExecutor] = []

@@ -10,7 +10,8 @@ missing chunks of a call at once (on their thread pool); others read runs of
 consecutive blocks with one call each. Rows bound for a GPU leave through a reusable pinned
 staging buffer. A scatter writes through to the file: each touched block is read
 (unless the ids cover it completely), patched with the winning rows (the last
-occurrence of a repeated id), and written back whole.
+occurrence of a repeated id), and written back whole; the rest of a unit the file
+rewrites whole (a chunk or zarr shard larger than the block) is read too, to check it.
 
 The store pickles as its file's name: a copy in a DataLoader worker reopens the
 file lazily, and a copy inherited through ``fork`` reopens it in the new process.
@@ -112,6 +113,8 @@ class FileStore(Store):
         Whether :meth:`scatter` / :meth:`write_block` write through to the file.
         Default: when the format can write and the file is writable. ``False``
         makes the store read-only; ``True`` on a file that cannot be written raises.
+        Anything but ``True``, ``False`` or ``None`` (NumPy bools too) raises
+        :class:`~gadgetloader.GadgetTypeError`.
     block_rows : int, optional
         Rows per read. Default: the file's chunk length, or about 4 KiB (a page) of rows for
         unchunked files (.npy, contiguous HDF5).
@@ -135,7 +138,8 @@ class FileStore(Store):
     Threads may share a store: every read and write holds a lock per file. Every
     call also checks that the file is still the one the store opened: a file replaced
     on disk (another ``save``, or any program that writes a new file and renames it over
-    the name), deleted, or a .npy truncated below its size raises
+    the name), deleted, or a .npy (or an uncompressed HDF5 file read through a memory
+    map) truncated below its size raises
     :class:`~gadgetloader.GadgetFileError` (open the new file with a new table, or
     ``DataGadget.load``) instead of mixing two files' rows. A program that rewrites the
     same file in place at the same or a larger size is not detected.
@@ -166,6 +170,12 @@ class FileStore(Store):
             or block_rows < 1
         ):
             raise GadgetValueError(f"block_rows must be a positive integer; got {block_rows!r}")
+        if writable is not None and not isinstance(writable, (bool, np.bool_)):
+            # bool('no') is True: a string or number here must not give a writable table
+            raise GadgetTypeError(
+                f"writable must be True, False or None (the default: writable when the file "
+                f"is); got {writable!r} of type {type(writable).__name__}"
+            )
         #: absolute: the store reopens (after a fork, to write) and checks its file by this path,
         #: which must not change meaning when the process changes its working directory
         self._path = os.path.abspath(source.path)
@@ -188,14 +198,16 @@ class FileStore(Store):
         self._capacity = min(
             num_blocks, self.cache_bytes // max(1, self.block_rows * self.row_nbytes)
         )
-        can_write = source.writes_in_place() and os.access(self._path, os.W_OK)
-        if writable and not can_write:
-            raise ReadOnlyError(
-                f"writable=True but {self._path} cannot be written (no write permission, or the "
-                f"{self._format} file cannot be written in place: e.g. a Fortran-ordered .npy, "
-                "or an HDF5 dataset behind an external link)"
-            )
-        self._writable = bool(can_write if writable is None else writable)
+        reason = source.read_only_reason()
+        if reason is None and not os.access(self._path, os.W_OK):
+            reason = f"{self._path} cannot be written (no write permission)"
+        if writable and reason is not None:
+            raise ReadOnlyError(f"writable=True but {reason}")
+        self._writable = bool(reason is None if writable is None else writable)
+        if reason is None and not self._writable:
+            reason = f"{self._path} ({self._format}) was opened with writable=False"
+        #: why this table cannot write (None when it can), for check_writable's message
+        self._read_only_reason = reason
         #: an HDF5 dataset behind an external link (read-only, see the HDF5 source)
         self._external = bool(getattr(source, "external", False))
         #: what the file lock and cache invalidation are keyed by: the array itself (a
@@ -323,17 +335,11 @@ class FileStore(Store):
 
     def check_writable(self) -> None:
         self.check_open()
-        if not self._writable and self._external:
-            raise ReadOnlyError(
-                f"this file-backed table is read-only: its rows ({self._path}[{self._dataset!r}]) "
-                "live in another file, reached through an HDF5 external link; open that file "
-                "directly to write, or load the table into memory"
-            )
         if not self._writable:
+            reason = getattr(self, "_read_only_reason", None) or f"{self._path} is read-only"
             raise ReadOnlyError(
-                f"this file-backed table is read-only: {self._path} ({self._format}) was opened "
-                "without write access; open it with writable=True on a writable file, or load it "
-                "into memory (placement='cpu', 'pinned' or 'cuda') to change rows"
+                f"this file-backed table is read-only: {reason}; to change rows, load it into "
+                "memory (placement='cpu', 'pinned' or 'cuda')"
             )
 
     def __repr__(self) -> str:
@@ -355,6 +361,15 @@ class FileStore(Store):
             if self._src is not None:
                 self._src.close()  # one handle per file: HDF5 refuses 'r+' beside an open 'r'
             self._src = None
+            try:
+                self._src = open_source(
+                    self._path, format=self._format, dataset=self._dataset, mode="r+"
+                )
+            except BaseException:
+                # refused (the file is open read-only elsewhere, locked, ...): reads go
+                # on reopening it read-only, as before this call
+                self._src_mode = "r"
+                raise
             self._src_mode = "r+"
         if self._src is None:
             self._src = open_source(
@@ -623,12 +638,23 @@ class FileStore(Store):
         blocks = np.unique(blk)
         # every block the write touches is read (and so checked) before the first write,
         # so a damaged chunk found on the way leaves the file unchanged; past
-        # PRECHECK_BYTES of partly written blocks the runs are read and written in turn
+        # PRECHECK_BYTES of partly written blocks the runs are read and written in turn.
+        # The file rewrites whole units (a chunk, a zarr shard), which may be larger than
+        # a block: the rest of every unit a run only partly covers is read as well
+        unit = max(1, int(getattr(writer, "write_unit_rows", 1)))
+        runs = self._runs(blocks)
+        spans = [(self._block_range(f)[0], self._block_range(la)[1]) for f, la in runs]
+        checked = 0  # rows below this were read or lie in an earlier run
         pending: list[tuple[int, int, np.ndarray]] = []
         held = 0
-        for first, last in self._runs(blocks):
-            r0 = self._block_range(first)[0]
-            r1 = self._block_range(last)[1]
+        for i, (first, last) in enumerate(runs):
+            r0, r1 = spans[i]
+            if unit > 1:
+                nxt = spans[i + 1][0] if i + 1 < len(spans) else self.num_rows
+                u0, u1 = r0 // unit * unit, min(self.num_rows, -(-r1 // unit) * unit)
+                self._check_rows(writer, max(u0, checked), r0)
+                self._check_rows(writer, r1, min(u1, nxt))
+                checked = max(r1, min(u1, nxt))
             buf = self._merged_run(first, last, r0, r1, uid, win)
             pending.append((first, last, buf))
             held += 0 if buf.base is win else buf.nbytes
@@ -636,6 +662,15 @@ class FileStore(Store):
                 self._write_runs(writer, pending)
                 pending, held = [], 0
         self._write_runs(writer, pending)
+
+    def _check_rows(self, src: ArraySource, start: int, stop: int) -> None:
+        """Read rows ``start:stop`` from the file and drop them: a damaged chunk among them
+        raises here, before anything is written."""
+        step = max(1, _RUN_BYTES // max(1, self.row_nbytes))
+        for a in range(start, stop, step):
+            b = min(stop, a + step)
+            src.read_into(a, b, np.empty((b - a, *self.row_shape), dtype=self._npd))
+            self.stats["reads"] += 1
 
     def _merged_run(
         self, first: int, last: int, r0: int, r1: int, uid: np.ndarray, win: np.ndarray
