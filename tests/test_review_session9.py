@@ -126,7 +126,7 @@ def test_an_initializer_that_changes_shape_leaves_the_table_usable():
     data = np.arange(12, dtype=np.float32).reshape(4, 3)
     g = gl.DataGadget(data, placement="cpu")
     g.init_(torch.Tensor.t_)
-    np.testing.assert_array_equal(g.getData([0, 3]).numpy(), data[[0, 3]])
+    np.testing.assert_array_equal(g.getData([0, 3]).cpu().numpy(), data[[0, 3]])
 
 
 def test_sparse_id_tensors_are_a_type_error():
@@ -151,7 +151,7 @@ def test_a_table_too_large_for_any_allocation_is_a_value_error():
 def test_out_that_requires_grad_is_refused():
     g = gl.DataGadget(np.zeros((4, 3), np.float32), placement="cpu")
     with pytest.raises(gl.GadgetValueError, match="require grad"):
-        g.getData([1], out=torch.empty(1, 3, requires_grad=True))
+        g.getData([1], out=torch.empty(1, 3, device=g.getData([0]).device, requires_grad=True))
 
 
 # ---- training --------------------------------------------------------------------------------

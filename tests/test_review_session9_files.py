@@ -89,10 +89,10 @@ def test_hdf5_mapped_table_still_reads_after_growing(tmp_path: Path) -> None:
     with h5py.File(p, "w") as f:
         f.create_dataset("d", data=a, chunks=(10, 4))
     g = gl.DataGadget(p, placement="file")
-    np.testing.assert_array_equal(g.getData([3, 999]).numpy(), a[[3, 999]])
+    np.testing.assert_array_equal(g.getData([3, 999]).cpu().numpy(), a[[3, 999]])
     with open(p, "ab") as fh:  # larger: not detected, rows still there
         fh.write(b"\0" * 4096)
-    np.testing.assert_array_equal(g.getData([5, 998]).numpy(), a[[5, 998]])
+    np.testing.assert_array_equal(g.getData([5, 998]).cpu().numpy(), a[[5, 998]])
     g.close()
 
 
@@ -123,7 +123,7 @@ def test_sharded_zarr_writes_whole_and_partial_shards_correctly(tmp_path: Path) 
     g.insertData(rows, ids)
     a[ids] = rows
     np.testing.assert_array_equal(zarr.open(str(p))[:], a)
-    np.testing.assert_array_equal(g.getData(np.arange(64)).numpy(), a)
+    np.testing.assert_array_equal(g.getData(np.arange(64)).cpu().numpy(), a)
 
 
 def test_zarr_block_rows_below_chunk_checks_the_chunk_first(tmp_path: Path) -> None:
@@ -173,7 +173,7 @@ def test_hdf5_block_rows_below_chunk_writes_correctly(tmp_path: Path) -> None:
         rows = rng.standard_normal((17, 4)).astype(np.float32)
         g.insertData(rows, ids)
         a[ids] = rows
-    np.testing.assert_array_equal(g.getData(np.arange(100)).numpy(), a)
+    np.testing.assert_array_equal(g.getData(np.arange(100)).cpu().numpy(), a)
     g.close()
     with h5py.File(p, "r") as f:
         np.testing.assert_array_equal(f["d"][:], a)
