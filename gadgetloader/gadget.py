@@ -603,6 +603,7 @@ class DataGadget:
         self._store.check_open()
         host = self._store.host_view()
         if host is not None and not copy and self.dtype != torch.bfloat16:
+            self._store.wait_for_gpu()  # GPU writes still queued on a pinned table land first
             return host.numpy()
         out = np.empty(
             self.shape,

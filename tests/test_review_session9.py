@@ -293,3 +293,51 @@ def test_chunk_order_reads_each_chunk_once_with_columns_of_different_chunkings(t
     np.testing.assert_array_equal(np.sort(seen[:, 0]), data[:, 0])
     for g in ds.columns:
         assert g.store.stats["misses"] == -(-n // g.store.block_rows)
+
+
+# ---- rows that alias the table, and the CPU beside queued GPU work ------------------------
+
+
+@pytest.mark.parametrize("strategy", ["auto", "kernel", "sorted", "torch"])
+def test_scatter_of_the_tables_own_rows_reads_them_all_first(placement, strategy):
+    n = 5000
+    data = np.arange(n * 8, dtype=np.float32).reshape(n, 8)
+    g = gl.DataGadget(data, placement=placement, strategy=strategy)
+    view = g.as_tensor()
+    g.insertData(view[0 : n - 1], torch.arange(1, n))  # shift every row down by one
+    want = data.copy()
+    want[1:] = data[:-1]
+    np.testing.assert_array_equal(g.getNumpyVersion(), want)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "kernel", "sorted", "torch"])
+def test_gather_into_the_tables_own_rows_reads_them_all_first(placement, strategy):
+    n = 5000
+    data = np.arange(n * 8, dtype=np.float32).reshape(n, 8)
+    g = gl.DataGadget(data, placement=placement, strategy=strategy)
+    g.getData(torch.arange(0, n - 1), out=g.as_tensor()[1:n])
+    want = data.copy()
+    want[1:] = data[:-1]
+    np.testing.assert_array_equal(g.getNumpyVersion(), want)
+
+
+@pytest.mark.gpu
+def test_cpu_reads_and_writes_of_a_pinned_table_follow_queued_gpu_writes():
+    pytest.importorskip("cupy")
+    n, d = 1 << 16, 64
+    g = gl.DataGadget(np.zeros((n, d), np.float32), placement="pinned")
+    ids = torch.arange(0, n, 7)
+    for _ in range(3):
+        busy = torch.randn(4096, 4096, device="cuda")
+        for _ in range(20):  # keep the stream busy so the scatter below stays queued
+            busy = busy @ busy / 4096
+        g.insertData(torch.full((ids.numel(), d), 1.0, device="cuda"), ids)
+        got = g.getData(ids, device="cpu")  # CPU ids, CPU rows: the host path
+        assert bool((got == 1.0).all())
+        for _ in range(20):
+            busy = busy @ busy / 4096
+        g.insertData(torch.full((ids.numel(), d), 2.0, device="cuda"), ids)
+        g.insertData(torch.full((ids.numel(), d), 3.0), ids)  # CPU rows: the later write wins
+        torch.cuda.synchronize()
+        assert bool((g.getData(ids, device="cpu") == 3.0).all())
+        g.insertData(torch.zeros((ids.numel(), d)), ids)

@@ -24,6 +24,7 @@ import torch
 from .._errors import GadgetClosedError, ReadOnlyError
 from .._ids import last_writer
 from ..transfer import _engine
+from ..transfer._engine import shares_memory
 
 __all__ = ["FusedRows", "Store", "gather_many", "scatter_many"]
 
@@ -133,6 +134,7 @@ class Store(abc.ABC):
             return _engine.gather(dv, ids, out=out, strategy=strategy, host=self.host_view())
         hv = self.host_view()
         if hv is not None:
+            self.wait_for_gpu()
             rows = torch.index_select(hv, 0, ids.reshape(-1).cpu())
             rows = rows.view(tuple(ids.shape) + self.row_shape)
         else:
@@ -159,7 +161,10 @@ class Store(abc.ABC):
             return
         assert hv is not None
         src = rows.reshape(ids.numel(), *self.row_shape).cpu()
+        self.wait_for_gpu()  # queued GPU writes land first: this write is the later one
         if unique:
+            if shares_memory(src, hv):
+                src = src.clone()  # rows of the table itself: read them all before any write
             hv.index_copy_(0, ids.reshape(-1).cpu(), src)
             return
         plan = last_writer(ids.reshape(-1).cpu())
@@ -171,6 +176,7 @@ class Store(abc.ABC):
         self.check_open()
         hv = self.host_view()
         if hv is not None:
+            self.wait_for_gpu()
             return hv[start:stop]
         dv = self.device_view()
         assert dv is not None
@@ -183,6 +189,7 @@ class Store(abc.ABC):
         stop = start + rows.shape[0]
         hv = self.host_view()
         if hv is not None and not rows.is_cuda:
+            self.wait_for_gpu()
             hv[start:stop].copy_(rows)
             return
         dv = self.device_view()
@@ -206,11 +213,31 @@ class Store(abc.ABC):
         with torch.no_grad():  # an alias: a shape-changing fn (t_, resize_) leaves the table's
             fn(view.view(view.shape), *args, **kwargs)
 
+    def gpu_view_in_use(self) -> torch.Tensor | None:
+        """The CUDA view GPU kernels may have used on rows the CPU also reaches (a
+        ``pinned`` table's), or None (no such view, or none made yet)."""
+        return None
+
+    def wait_for_gpu(self) -> None:
+        """Before the CPU reads or writes rows the GPU also reaches: wait for the work queued
+        on the device, so CPU reads see queued GPU writes and CPU writes land after them.
+        (Nothing to wait for without a GPU view, or where CUDA is unusable: a DataLoader
+        worker, a process forked after CUDA started.)"""
+        dv = self.gpu_view_in_use()
+        if dv is not None and dv.is_cuda and _cuda_usable():
+            torch.cuda.synchronize(dv.device)
+
     def synchronize(self) -> None:
         """Wait for GPU work on this store's device (not on the hot path)."""
         dv = self.device_view()
         if dv is not None:
             torch.cuda.synchronize(dv.device)
+
+
+def _cuda_usable() -> bool:
+    """CUDA started in this process and may be called (not a process forked after it started)."""
+    bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)
+    return torch.cuda.is_initialized() and not bad_fork()
 
 
 def _fused_views(stores: list[Store], device: torch.device) -> list[torch.Tensor] | None:

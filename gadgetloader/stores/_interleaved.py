@@ -96,6 +96,10 @@ class SlotStore(Store):
                 self._dev = dv[:, self._slot]
         return self._dev
 
+    def gpu_view_in_use(self) -> torch.Tensor | None:
+        # kernels may have used the shared buffer through another slot's (or a fused) view
+        return self._group.parent.gpu_view_in_use() if self._group is not None else None
+
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickle (or deep-copy) by value as an ordinary ``cpu`` store of this slot's rows:
         the copy no longer shares rows with the other slots. (A ``pinned`` table's gadget

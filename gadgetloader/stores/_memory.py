@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._base import Store
+from ._base import Store, _cuda_usable
 
 __all__ = ["CpuStore", "CudaStore"]
 
@@ -45,4 +45,9 @@ class CudaStore(Store):
         return self._t
 
     def _release(self) -> None:
+        t = self._t
+        if t is not None and t.is_cuda and _cuda_usable():
+            # kernels queued on any stream may still use the memory; the caching allocator
+            # would hand it out again once freed
+            torch.cuda.synchronize(t.device)
         self._t = None

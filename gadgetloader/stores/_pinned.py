@@ -365,6 +365,9 @@ class PinnedStore(Store):
             self._finish()
         return self._dev
 
+    def gpu_view_in_use(self) -> torch.Tensor | None:
+        return self._dev
+
     @property
     def host_bytes(self) -> int:
         """Bytes of host RAM this store holds (table bytes plus page rounding)."""

@@ -201,6 +201,22 @@ def _check_fused(tables: list[torch.Tensor]) -> None:
             )
 
 
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors on one device may share bytes (their address ranges meet)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + _extent(a)
+    b1 = b0 + _extent(b)
+    return a0 < b1 and b0 < a1
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to just past its last."""
+    last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
+
+
 def gather(
     table: torch.Tensor,
     ids: torch.Tensor,
@@ -246,6 +262,7 @@ def gather_many(
     flat = ids.reshape(-1)
     results: list[torch.Tensor] = []
     flat_outs: list[torch.Tensor] = []
+    clash = False
     for k, table in enumerate(tables):
         row_shape = tuple(table.shape[1:])
         out = None if outs is None else outs[k]
@@ -261,8 +278,17 @@ def gather_many(
                 f"out must be a contiguous {table.dtype} tensor on {table.device} of shape "
                 f"{(*ids.shape, *row_shape)}; got {tuple(out.shape)} {out.dtype} on {out.device}"
             )
+        elif any(shares_memory(out, t) for t in tables):
+            clash = True
         results.append(out.view(tuple(ids.shape) + row_shape))
         flat_outs.append(out.view(n, *row_shape))
+    if clash:
+        # rows of a table gathered into that table: gather apart, then copy (as torch's
+        # strategy and the CPU do); the kernel would read rows it is overwriting
+        fresh = gather_many(tables, ids, None, strategy, hosts, ids_sorted=ids_sorted, count=count)
+        for got, res in zip(fresh, results, strict=True):
+            res.copy_(got)
+        return results
     first = tables[0]
     if n == 0 or math.prod(first.shape[1:]) == 0:
         return results
@@ -375,6 +401,8 @@ def scatter_many(
     srcs = []
     for table, r in zip(tables, rows, strict=True):
         src = r.reshape(n, *table.shape[1:])
+        if any(shares_memory(src, t) for t in tables):
+            src = src.clone()  # rows of the table itself: read them all before any write
         srcs.append(src if src.is_contiguous() else src.contiguous())
     host0 = hosts[0] if all(h is not None for h in hosts) else None
     how = resolve_strategy(strategy, first, n, host0, kind="scatter")
