@@ -74,10 +74,10 @@ def _check_out(out: Any, shape: tuple[int, ...], dtype: torch.dtype, device: tor
             f"out must be a contiguous tensor of shape {tuple(shape)}; got shape {tuple(out.shape)}"
             f"{'' if out.is_contiguous() else ' (not contiguous)'}"
         )
-    if out.requires_grad:
+    if out.requires_grad and torch.is_grad_enabled():
         raise GadgetValueError(
             "out must not require grad (rows are written into it in place); "
-            "pass out.detach() or a plain tensor"
+            "pass out.detach(), or call getData under torch.no_grad()"
         )
 
 
@@ -633,13 +633,14 @@ class DataGadget:
         return self.init_(torch.Tensor.zero_)
 
     def fill_(self, value: float) -> DataGadget:
-        """Set every element to ``value``, which the table's dtype must hold exactly
-        (an integer in range for integer tables, True/False/0/1 for bool tables, a finite
-        value that does not overflow a floating-point dtype, or inf/nan)."""
-        self._check_fill(value)
-        return self.init_(torch.Tensor.fill_, value)
+        """Set every element to ``value``, which the table's dtype must hold: an integer in
+        range for integer tables, True/False/0/1 for bool tables, and for floating-point
+        tables a value within the dtype's finite range (rounded to the dtype, as torch
+        does) or inf/nan. Anything else is an error and leaves the table unchanged."""
+        return self.init_(torch.Tensor.fill_, self._fill_value(value))
 
-    def _check_fill(self, value: Any) -> None:
+    def _fill_value(self, value: Any) -> bool | int | float:
+        """``value`` as a Python number the table's dtype holds, or an error saying why."""
         what = f"fill_ on a {dtype_name(self.dtype)} table"
         if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
             if (value.numel() if isinstance(value, torch.Tensor) else value.size) != 1:
@@ -650,16 +651,20 @@ class DataGadget:
         if not isinstance(value, (bool, int, float)):
             raise GadgetTypeError(f"{what} takes a real number; got {type(value).__name__}")
         if self.dtype.is_floating_point:
-            finite = math.isfinite(value)
-            if finite and not math.isfinite(torch.tensor(float(value)).to(self.dtype).item()):
+            try:
+                finite = math.isfinite(value)
+                big = finite and abs(value) > torch.finfo(self.dtype).max
+            except OverflowError:  # an int beyond any float
+                big = True
+            if big:
                 raise GadgetValueError(
                     f"{what}: {value!r} overflows it (largest {torch.finfo(self.dtype).max})"
                 )
-            return
+            return float(value)
         if self.dtype == torch.bool:
             if value not in (0, 1):
                 raise GadgetValueError(f"{what} takes True, False, 0 or 1; got {value!r}")
-            return
+            return bool(value)
         if isinstance(value, float) and not value.is_integer():
             raise GadgetValueError(f"{what} takes an integer; got {value!r}")
         info = torch.iinfo(self.dtype)
@@ -667,6 +672,7 @@ class DataGadget:
             raise GadgetValueError(
                 f"{what} takes a value in [{info.min}, {info.max}]; got {value!r}"
             )
+        return int(value)
 
     def _check_float(self, what: str) -> None:
         if not self.dtype.is_floating_point:

@@ -342,3 +342,81 @@ def test_cpu_reads_and_writes_of_a_pinned_table_follow_queued_gpu_writes():
         torch.cuda.synchronize()
         assert bool((g.getData(ids, device="cpu") == 3.0).all())
         g.insertData(torch.zeros((ids.numel(), d)), ids)
+
+
+# ---- a review of those fixes -------------------------------------------------------------
+
+
+def test_fill_takes_the_whole_range_of_wide_floats_and_refuses_past_narrow_ones():
+    g = gl.DataGadget(np.zeros(3, np.float64), placement="cpu")
+    g.fill_(1e300)
+    np.testing.assert_array_equal(g.getNumpyVersion(), np.full(3, 1e300))
+    h = gl.DataGadget(np.zeros(3, np.float16), placement="cpu")
+    for bad in (65505.0, 10**400):
+        with pytest.raises(gl.GadgetValueError, match="overflows"):
+            h.fill_(bad)
+    h.fill_(np.array([2.5]))  # one element, any shape
+    np.testing.assert_array_equal(h.getNumpyVersion(), np.full(3, 2.5, np.float16))
+
+
+def test_out_that_requires_grad_is_filled_under_no_grad():
+    g = gl.DataGadget(np.arange(6, dtype=np.float32).reshape(3, 2), placement="cpu")
+    dev = g.getData([0]).device
+    out = torch.nn.Parameter(torch.zeros(1, 2, device=dev))
+    with torch.no_grad():
+        g.getData([2], out=out)
+    np.testing.assert_array_equal(out.detach().cpu().numpy(), [[4.0, 5.0]])
+
+
+def test_scatter_many_reads_rows_aliasing_another_table_before_writing():
+    a = gl.DataGadget(torch.arange(8.0).reshape(4, 2), placement="cpu")
+    b = gl.DataGadget(torch.zeros(4, 2), placement="cpu")
+    gl.scatter_many([a, b], [torch.full((2, 2), -1.0), a.as_tensor()[0:2]], [0, 1])
+    np.testing.assert_array_equal(b.getNumpyVersion()[:2], [[0.0, 1.0], [2.0, 3.0]])
+
+
+def test_saved_scalar_dtypes_follow_the_saved_parameter_ids():
+    from gadgetloader.switching._optim import keep_saved_scalar_dtypes
+
+    a = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    b = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    opt = torch.optim.NAdam([a, b])
+    for p in (a, b):
+        p.grad = torch.ones(2, dtype=torch.float64)
+    opt.step()
+    sd = opt.state_dict()
+    renumbered = {
+        "state": {
+            0: dict(sd["state"][1], mu_product=torch.tensor(0.25)),
+            1: dict(sd["state"][0], mu_product=torch.tensor(0.5)),
+        },
+        "param_groups": [dict(sd["param_groups"][0], params=[1, 0])],
+    }
+    again = torch.optim.NAdam([a, b])
+    again.load_state_dict(renumbered)
+    keep_saved_scalar_dtypes(again, renumbered)
+    got = [
+        (again.state[p]["mu_product"].item(), again.state[p]["mu_product"].dtype) for p in (a, b)
+    ]
+    assert got == [(0.5, torch.float32), (0.25, torch.float32)]
+
+
+def test_an_axis_longer_than_int64_is_a_value_error():
+    with pytest.raises(gl.GadgetValueError, match="2\\*\\*63"):
+        gl.DataGadget((0, 2**70), placement="cpu")
+
+
+def test_chunk_order_keeps_the_largest_chunk_where_the_common_multiple_is_large(tmp_path):
+    zarr = pytest.importorskip("zarr")
+    paths = []
+    for name, chunk in (("a", 96), ("b", 100)):
+        z = zarr.open(
+            str(tmp_path / f"{name}.zarr"),
+            mode="w",
+            shape=(1000, 2),
+            chunks=(chunk, 2),
+            dtype="float32",
+        )
+        z[:] = 0
+        paths.append(str(tmp_path / f"{name}.zarr"))
+    assert gl.GadgetDataset(*paths, placement="file", device="cpu").chunk_rows == 100

@@ -304,6 +304,7 @@ class GadgetDataset(Dataset[Any]):
             elif route is _KERNEL:
                 out.append(_kernel_gather(view, step.row_shape, dev_ids))
             else:
+                step.store.wait_for_gpu()  # a pinned table: queued GPU writes land first
                 out.append(_host_gather(view, step.row_shape, dev_ids, target))
         return GadgetBatch(out)
 
@@ -433,8 +434,9 @@ class GadgetDataset(Dataset[Any]):
 
 _CPU = torch.device("cpu")
 #: the ``chunk`` order lines up with every file column's chunks while their least common
-#: multiple is at most this many times the largest (see :attr:`GadgetDataset.chunk_rows`)
-CHUNK_LCM_MAX = 16
+#: multiple is at most this many times the largest (its windows, and the cache they need,
+#: grow with it) (see :attr:`GadgetDataset.chunk_rows`)
+CHUNK_LCM_MAX = 2
 
 #: how a column's rows move (see :func:`_route`)
 _KERNEL, _HOST, _STORE = "kernel", "host", "store"

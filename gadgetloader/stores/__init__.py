@@ -48,6 +48,10 @@ def empty_store(
             f"(in-memory placements: {sorted(_IN_MEMORY)})"
         )
     cls = _IN_MEMORY[where]
+    if any(int(s) > _MAX_BYTES for s in shape):
+        raise GadgetValueError(
+            f"a table of shape {tuple(shape)}: no axis can be longer than 2**63-1"
+        )
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes > _MAX_BYTES:
         raise GadgetValueError(

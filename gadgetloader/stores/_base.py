@@ -330,8 +330,18 @@ def scatter_many(
         k = max(0, min(int(count.reshape(()).item()), n))
         ids = ids.reshape(-1)[:k]
         rows = [r.reshape(n, *s.row_shape)[:k] for s, r in zip(stores, rows, strict=True)]
+    # rows that alias one of the tables are read before any table is written (as the fused
+    # GPU path does)
+    rows = [
+        r.clone() if any(_engine.shares_memory(r, v) for s in stores for v in _views(s)) else r
+        for r in rows
+    ]
     for s, r in zip(stores, rows, strict=True):
         s.scatter(ids, r, strategy)
+
+
+def _views(store: Store) -> list[torch.Tensor]:
+    return [v for v in (store.host_view(), store.gpu_view_in_use()) if v is not None]
 
 
 class FusedRows:

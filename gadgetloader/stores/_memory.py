@@ -45,9 +45,8 @@ class CudaStore(Store):
         return self._t
 
     def _release(self) -> None:
-        t = self._t
+        t, self._t = self._t, None
         if t is not None and t.is_cuda and _cuda_usable():
             # kernels queued on any stream may still use the memory; the caching allocator
             # would hand it out again once freed
             torch.cuda.synchronize(t.device)
-        self._t = None

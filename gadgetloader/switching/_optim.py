@@ -726,11 +726,14 @@ def keep_saved_scalar_dtypes(optimizer: torch.optim.Optimizer, sd: Mapping[str, 
     its parameter's dtype: a scalar torch keeps in another dtype (NAdam's float32
     ``mu_product`` beside float64 parameters) goes back to the saved dtype, so a resumed
     run rounds as the uninterrupted one did."""
+    # torch maps the saved ids to parameters in group order, whatever the ids are
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    saved = [i for g in sd.get("param_groups", []) for i in g.get("params", [])]
+    by_id = dict(zip(saved, params, strict=False))
     for idx, entries in sd.get("state", {}).items():
-        if not isinstance(idx, int) or not 0 <= idx < len(params):
+        if idx not in by_id:
             continue
-        live = optimizer.state.get(params[idx])
+        live = optimizer.state.get(by_id[idx])
         if not isinstance(live, dict) or not isinstance(entries, Mapping):
             continue
         for key, saved in entries.items():
