@@ -8,7 +8,9 @@ pinnable host RAM)::
 Each figure is the median of CUDA-event timings (ms) of one call, the GPU synchronised
 between calls. ``b{m}``: the grid capped at ``m`` blocks per SM (the row kernel's default
 is 16); ``v{w}``: vectors of at most ``w`` bytes; ``u{k}``: loads in flight per thread.
-Session 9's results: ``notebooks/results/h200-gather-shapes*-session9.json``.
+Session 9's results: ``notebooks/results/h200-gather-shapes*-session9.json`` (written by an
+earlier form of this script: their keys ``kernel_b*`` / ``g_b*`` are ``b*`` here and
+``s_b*`` is ``scatter_b*``; the large tables' ids were distinct there too).
 """
 
 from __future__ import annotations
