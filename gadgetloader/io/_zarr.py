@@ -45,7 +45,6 @@ from ._chunks import (
     as_bits,
     check_compression,
     check_dataset_name,
-    check_free_space,
     check_level,
     check_sink_target,
     default_chunk_rows,
@@ -488,9 +487,6 @@ class ZarrSink(ArraySink):
         npd = numpy_dtype(dtype)
         row_nbytes = int(np.prod(self.shape[1:], dtype=np.int64)) * npd.itemsize
         self.chunk_rows = default_chunk_rows(row_nbytes, self.shape[0], chunk_rows)
-        if comp is None:  # a file per chunk, the last one padded, each in whole blocks
-            n_chunks = -(-self.shape[0] // self.chunk_rows)
-            check_free_space(self.path, n_chunks * -(-self.chunk_rows * row_nbytes // 4096) * 4096)
         compressors: Any = None
         if comp == "zstd":
             compressors = ZstdCodec(
