@@ -486,3 +486,26 @@ def test_the_fork_hook_survives_a_broken_source_and_releases_every_lock(tmp_path
     assert lock.acquire(timeout=1)
     lock.release()
     np.testing.assert_array_equal(good.getData([1]).cpu().numpy(), [[0.0, 0.0]])
+
+
+@pytest.mark.gpu
+def test_auto_measures_sorted_against_hybrid_once_and_keeps_the_rows_exact():
+    pytest.importorskip("cupy")
+    from gadgetloader.transfer import _engine
+
+    rows, width = 8 << 20, 128  # 4 GB: sparse requests go to hybrid or sorted
+    g = gl.DataGadget((rows, width), dtype="float32", placement="pinned")
+    try:
+        host = g.store.host_view()
+        host[:, 0] = torch.arange(rows, dtype=torch.float32)
+        ids = torch.randint(0, rows, (70_000,), device="cuda")
+        before = dict(_engine._TUNED)
+        first = g.getData(ids)
+        tuned = {k: v for k, v in _engine._TUNED.items() if k not in before}
+        assert len(tuned) == 1 and set(tuned.values()) <= {"hybrid", "sorted"}
+        second = g.getData(ids)
+        want = ids.to(torch.float32)
+        assert torch.equal(first[:, 0], want) and torch.equal(second[:, 0], want)
+        assert dict(_engine._TUNED) == {**before, **tuned}  # measured once
+    finally:
+        g.close()

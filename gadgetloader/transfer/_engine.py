@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from typing import Any
 
 import torch
@@ -56,6 +57,13 @@ HYBRID_MIN_IDS = 1 << 16
 #: share of the rows the CPU moves in the ``hybrid`` strategy (the H200 sweep balanced at ~0.6)
 _hybrid = {"fraction": 0.6}
 
+#: ``auto``'s choice between ``sorted`` and ``hybrid`` as measured in this process, by
+#: (device, and the powers of two of the table's bytes, the ids and the row's bytes): which
+#: of the two is faster differs between hosts (DESIGN.md), so the first such gather of each
+#: class times both on its own rows, twice each, and the faster serves the rest
+_TUNED: dict[tuple[int, int, int, int], str] = {}
+_TUNE_LOCK = threading.Lock()
+
 
 def set_hybrid_fraction(fraction: float) -> None:
     """Set the share of rows that CPU threads move in the ``hybrid`` strategy (0..1)."""
@@ -79,7 +87,9 @@ def resolve_strategy(
     :data:`SORT_FROM_IDS` ids; larger tables -> ``sorted`` while the ids are dense
     enough (at most :data:`HYBRID_GAP_BYTES` of table per id), the request is small
     (under :data:`HYBRID_MIN_IDS` ids) or the rows are wide (at least
-    :data:`HYBRID_MAX_ROW_BYTES`), else ``hybrid`` where the table has a host view.
+    :data:`HYBRID_MAX_ROW_BYTES`), else ``hybrid`` where the table has a host view
+    (which :func:`gather_many` replaces by ``sorted`` where that measured faster in this
+    process, see :data:`_TUNED`).
     Scatters always sort (that is how repeats are merged), so ``auto`` scatters with
     ``kernel``.
     """
@@ -294,6 +304,13 @@ def gather_many(
         return results
     host0 = hosts[0] if all(h is not None for h in hosts) else None
     how = resolve_strategy(strategy, first, n, host0)
+    if how == "hybrid" and strategy == "auto" and count is None:
+        key = _tune_key(first, n)
+        choice = _TUNED.get(key)
+        if choice is None:
+            _tune(key, tables, hosts, flat, flat_outs, ids_sorted)
+            return results  # the trial gathered the rows
+        how = choice
     if count is not None:
         if how in ("kernel", "sorted"):
             flat = flat.to(first.device).contiguous()
@@ -305,22 +322,65 @@ def gather_many(
             out[k:].zero_()
         gather_many(tables, flat[:k], [o[:k] for o in flat_outs], how, hosts, ids_sorted=ids_sorted)
         return results
+    _run_gather(how, tables, hosts, flat, flat_outs, ids_sorted)
+    return results
+
+
+def _run_gather(
+    how: str,
+    tables: list[torch.Tensor],
+    hosts: list[torch.Tensor | None],
+    flat: torch.Tensor,
+    flat_outs: list[torch.Tensor],
+    ids_sorted: bool,
+) -> None:
+    """``flat_outs[k] = tables[k][flat]`` by one concrete strategy."""
     if how == "hybrid":
         for table, host, out in zip(tables, hosts, flat_outs, strict=True):
             assert host is not None
             _hybrid_gather(table, host, flat, out)
-        return results
-    flat = flat.to(first.device).contiguous()  # the kernels read ids densely
+        return
+    flat = flat.to(tables[0].device).contiguous()  # the kernels read ids densely
     if how == "torch":
         for table, out in zip(tables, flat_outs, strict=True):
             torch.index_select(table, 0, flat, out=out)
-        return results
+        return
     pos = None
     if how == "sorted" and not ids_sorted:
         flat, pos = torch.sort(flat)
     for g in _groups(tables):
         _kernels.launch_gather(tables[g], flat, flat_outs[g], pos)
-    return results
+
+
+def _tune_key(table: torch.Tensor, n_ids: int) -> tuple[int, int, int, int]:
+    nbytes = table.shape[0] * _kernels.pitch_nbytes(table)
+    row_bytes = math.prod(table.shape[1:]) * table.element_size()
+    index = table.device.index if table.device.index is not None else 0
+    return (index, nbytes.bit_length(), n_ids.bit_length(), row_bytes.bit_length())
+
+
+def _tune(
+    key: tuple[int, int, int, int],
+    tables: list[torch.Tensor],
+    hosts: list[torch.Tensor | None],
+    flat: torch.Tensor,
+    flat_outs: list[torch.Tensor],
+    ids_sorted: bool,
+) -> None:
+    """Gather the request by ``hybrid`` and by ``sorted``, twice each (the first run of
+    each pays its set-up), timing each run to its end on the GPU; record the faster in
+    :data:`_TUNED`. Both give the same rows, so the outputs hold the request's rows."""
+    device = tables[0].device
+    best: dict[str, float] = {}
+    with _TUNE_LOCK:
+        for how in ("hybrid", "sorted", "hybrid", "sorted"):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            _run_gather(how, tables, hosts, flat, flat_outs, ids_sorted)
+            torch.cuda.synchronize(device)
+            took = time.perf_counter() - start
+            best[how] = min(took, best.get(how, math.inf))
+        _TUNED.setdefault(key, min(best, key=best.__getitem__))
 
 
 def _hybrid_gather(
