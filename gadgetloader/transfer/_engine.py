@@ -367,20 +367,21 @@ def _tune(
     flat_outs: list[torch.Tensor],
     ids_sorted: bool,
 ) -> None:
-    """Gather the request by ``hybrid`` and by ``sorted``: once each to set up, then three
-    times each, interleaved, timing each run to its end on the GPU; record the one with
-    the lower median in :data:`_TUNED`. Both give the same rows, so the outputs hold the
-    request's rows."""
+    """Gather the request by ``hybrid`` and by ``sorted``, each once to set up and then three
+    times in a row (as a workload repeats one strategy), timing each run to its end on the
+    GPU; record the one with the lower median in :data:`_TUNED`. Both give the same rows,
+    so the outputs hold the request's rows."""
     device = tables[0].device
     times: dict[str, list[float]] = {"hybrid": [], "sorted": []}
     with _TUNE_LOCK:
-        for k, how in enumerate(("hybrid", "sorted") * 4):
-            torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            _run_gather(how, tables, hosts, flat, flat_outs, ids_sorted)
-            torch.cuda.synchronize(device)
-            if k >= 2:  # the first run of each pays its set-up (staging buffers, kernels)
-                times[how].append(time.perf_counter() - start)
+        for how in times:
+            for k in range(4):
+                torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                _run_gather(how, tables, hosts, flat, flat_outs, ids_sorted)
+                torch.cuda.synchronize(device)
+                if k:  # the first run pays its set-up (staging buffers, kernels)
+                    times[how].append(time.perf_counter() - start)
         medians = {how: sorted(t)[len(t) // 2] for how, t in times.items()}
         _TUNED.setdefault(key, min(medians, key=medians.__getitem__))
 
