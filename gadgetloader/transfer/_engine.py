@@ -59,8 +59,9 @@ _hybrid = {"fraction": 0.6}
 
 #: ``auto``'s choice between ``sorted`` and ``hybrid`` as measured in this process, by
 #: (device, and the powers of two of the table's bytes, the ids and the row's bytes): which
-#: of the two is faster differs between hosts (DESIGN.md), so the first such gather of each
-#: class times both on its own rows, twice each, and the faster serves the rest
+#: of the two is faster follows no fixed boundary (DESIGN.md), so the first such gather of
+#: each class times both on its own rows (a warm-up and three timed runs of each, in
+#: series) and the one with the lower median serves the rest
 _TUNED: dict[tuple[int, int, int, int], str] = {}
 _TUNE_LOCK = threading.Lock()
 

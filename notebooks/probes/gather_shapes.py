@@ -10,7 +10,9 @@ between calls. ``b{m}``: the grid capped at ``m`` blocks per SM (the row kernel'
 is 16); ``v{w}``: vectors of at most ``w`` bytes; ``u{k}``: loads in flight per thread.
 Session 9's results: ``notebooks/results/h200-gather-shapes*-session9.json`` (written by an
 earlier form of this script: their keys ``kernel_b*`` / ``g_b*`` are ``b*`` here and
-``s_b*`` is ``scatter_b*``; the large tables' ids were distinct there too).
+``s_b*`` is ``scatter_b*``; the large tables' ids were distinct there too; the first file
+also has an 8 GB / 131,072-id case and the second ``torch_index_copy``, and that form took
+25 calls a figure for the small tables).
 """
 
 from __future__ import annotations
