@@ -509,3 +509,95 @@ def test_auto_measures_sorted_against_hybrid_once_and_keeps_the_rows_exact():
         assert dict(_engine._TUNED) == {**before, **tuned}  # measured once
     finally:
         g.close()
+
+
+# ---- auto's measured choice between sorted and hybrid (CuPy and CUDA simulated) -------------
+
+
+@pytest.fixture
+def simulated_engine(monkeypatch):
+    """``auto`` sends every request to its sorted/hybrid trial; the two strategies are CPU
+    stand-ins of which ``sorted`` is made the faster; records every run."""
+    import time as _time
+
+    from gadgetloader.transfer import _engine, _kernels
+
+    runs: list[str] = []
+    slow = {"hybrid": 0.01, "sorted": 0.0}
+
+    def fake_hybrid(table, host, flat, out):
+        runs.append("hybrid")
+        _time.sleep(slow["hybrid"])
+        torch.index_select(host, 0, flat.cpu(), out=out)
+
+    def fake_launch(tables, ids, outs, pos=None, count=None, **kw):
+        runs.append("sorted")
+        _time.sleep(slow["sorted"])
+        tables = tables if isinstance(tables, list) else [tables]
+        outs = outs if isinstance(outs, list) else [outs]
+        n = ids.numel() if count is None else int(count)
+        for t, o in zip(tables, outs, strict=True):
+            if pos is None:
+                o[:n] = t[ids[:n]]
+                o[n:] = 0
+            else:
+                o[pos] = t[ids]
+
+    monkeypatch.setattr(_engine, "cupy_available", lambda: True)
+    monkeypatch.setattr(_engine, "SORT_ABOVE_BYTES", 0)
+    monkeypatch.setattr(_engine, "HYBRID_GAP_BYTES", 0)
+    monkeypatch.setattr(_engine, "HYBRID_MIN_IDS", 1)
+    monkeypatch.setattr(_engine, "_hybrid_gather", fake_hybrid)
+    monkeypatch.setattr(_kernels, "launch_gather", fake_launch)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(_engine, "_TUNED", {})
+    return _engine, runs
+
+
+def test_auto_trial_runs_once_per_class_and_later_requests_follow_it(simulated_engine):
+    engine, runs = simulated_engine
+    table = torch.randn(50_000, 8)
+    ids = torch.randint(0, 50_000, (3000,))
+    got = engine.gather_many([table], ids, None, "auto", [table])[0]
+    assert torch.equal(got, table[ids])
+    assert sorted(runs) == ["hybrid"] * 4 + ["sorted"] * 4
+    assert list(engine._TUNED.values()) == ["sorted"]
+    runs.clear()
+    assert torch.equal(engine.gather_many([table], ids, None, "auto", [table])[0], table[ids])
+    assert runs == ["sorted"]
+    plan = ids.unique()  # count-limited requests of sorted ids: a class of their own
+    count = torch.tensor([plan.numel() - 5])
+    for trial in (True, False):
+        runs.clear()
+        got = engine.gather_many(
+            [table], plan, None, "auto", [table], ids_sorted=True, count=count
+        )[0]
+        assert torch.equal(got[: plan.numel() - 5], table[plan[:-5]]) and not got[-5:].any()
+        assert len(runs) == (8 if trial else 1)
+    assert runs == ["sorted"]
+
+
+def test_auto_trial_classes_follow_the_hybrid_share_and_threads_share_one_trial(simulated_engine):
+    engine, runs = simulated_engine
+    table = torch.randn(50_000, 8)
+    ids = torch.randint(0, 50_000, (3000,))
+    barrier = threading.Barrier(2)
+
+    def work():
+        barrier.wait()
+        engine.gather_many([table], ids, None, "auto", [table])
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(runs) == 9  # one trial (8 runs) and one run of its choice
+    old = engine._hybrid["fraction"]
+    try:
+        engine.set_hybrid_fraction(0.3)
+        runs.clear()
+        engine.gather_many([table], ids, None, "auto", [table])
+        assert len(runs) == 8  # another class: measured again
+    finally:
+        engine.set_hybrid_fraction(old)

@@ -357,65 +357,72 @@ class Hdf5Source(ArraySource):
         self._map_end = 0
         self._all_raw = False
         _SOURCES.add(self)  # (complete: a fork's hook may now close its handles)
-        f = self._open_file(h5py)
-        try:
-            # the listing opens every externally linked file: only when it is needed
-            names = _datasets_in(f, h5py) if dataset is None else None
-            if dataset is None:
-                assert names is not None
-                if len(names) != 1:
-                    what = "no datasets" if not names else f"{len(names)} datasets: {names}"
-                    raise GadgetKeyError(f"{self.path} holds {what}; pass dataset= to choose one")
-                dataset = names[0]
+        # the metadata is read under the source's lock: a fork's hook (another thread)
+        # must not close the file in the middle of it
+        with self._guard():
+            f = self._open_file(h5py)
             try:
-                obj = f.get(dataset)
-            except (KeyError, OSError):  # an external link whose target cannot be opened
-                obj = None
-            if not isinstance(obj, h5py.Dataset):
-                link = _dangling_link(f, h5py, dataset) if obj is None else None
-                if link is not None:
-                    raise GadgetFileError(
-                        f"{self.path}[{dataset!r}] is an external link to {link}, which cannot "
-                        "be opened (is that file missing?)"
+                # the listing opens every externally linked file: only when it is needed
+                names = _datasets_in(f, h5py) if dataset is None else None
+                if dataset is None:
+                    assert names is not None
+                    if len(names) != 1:
+                        what = "no datasets" if not names else f"{len(names)} datasets: {names}"
+                        raise GadgetKeyError(
+                            f"{self.path} holds {what}; pass dataset= to choose one"
+                        )
+                    dataset = names[0]
+                try:
+                    obj = f.get(dataset)
+                except (KeyError, OSError):  # an external link whose target cannot be opened
+                    obj = None
+                if not isinstance(obj, h5py.Dataset):
+                    link = _dangling_link(f, h5py, dataset) if obj is None else None
+                    if link is not None:
+                        raise GadgetFileError(
+                            f"{self.path}[{dataset!r}] is an external link to {link}, which cannot "
+                            "be opened (is that file missing?)"
+                        )
+                    if names is None:
+                        names = _datasets_in(f, h5py)
+                    raise GadgetKeyError(
+                        f"{self.path} has no dataset {dataset!r}; datasets in the file: {names}"
                     )
-                if names is None:
-                    names = _datasets_in(f, h5py)
-                raise GadgetKeyError(
-                    f"{self.path} has no dataset {dataset!r}; datasets in the file: {names}"
+                home = os.path.realpath(obj.file.filename)
+                #: reached through an external link: the rows live in another file, which is
+                #: watched too; such a table is read-only (the other file may be open elsewhere
+                #: in this process under its own name, and HDF5 opens it once per process)
+                self.external = home != os.path.realpath(self.path)
+                if not self.external:
+                    self.dataset = obj.name.lstrip("/")
+                else:  # its name is the other file's: keep the link's
+                    self.dataset = dataset.strip("/")
+                self.watch_paths = (self.path, home) if self.external else (self.path,)
+                #: the dataset object itself (file and header address): soft links and other
+                #: spellings of one dataset share caches and locks
+                info = h5py.h5o.get_info(obj.id)
+                addr = getattr(info, "addr", None)
+                self.identity: tuple[Any, ...] = (
+                    ("hdf5", home, addr) if addr is not None else ("hdf5", home, obj.name)
                 )
-            home = os.path.realpath(obj.file.filename)
-            #: reached through an external link: the rows live in another file, which is
-            #: watched too; such a table is read-only (the other file may be open elsewhere
-            #: in this process under its own name, and HDF5 opens it once per process)
-            self.external = home != os.path.realpath(self.path)
-            if not self.external:
-                self.dataset = obj.name.lstrip("/")
-            else:  # its name is the other file's: keep the link's
-                self.dataset = dataset.strip("/")
-            self.watch_paths = (self.path, home) if self.external else (self.path,)
-            #: the dataset object itself (file and header address): soft links and other
-            #: spellings of one dataset share caches and locks
-            info = h5py.h5o.get_info(obj.id)
-            addr = getattr(info, "addr", None)
-            self.identity: tuple[Any, ...] = (
-                ("hdf5", home, addr) if addr is not None else ("hdf5", home, obj.name)
-            )
-            where = f"{self.path}[{self.dataset!r}]"
-            self.dtype = table_dtype(obj.dtype, obj.attrs.get(DTYPE_ATTR) == "bfloat16", where)
-            if obj.shape is None or len(obj.shape) == 0:
-                raise GadgetValueError(f"{where} holds a scalar; a table needs at least one axis")
-            self.shape = tuple(int(s) for s in obj.shape)
-            self._stored = obj.dtype
-            chunks = obj.chunks
-            self.chunked = chunks is not None
-            if chunks is not None:
-                self.chunk_rows = int(chunks[0])
-            else:
-                self.chunk_rows = max(1, _CONTIGUOUS_BLOCK_BYTES // max(1, self.row_nbytes))
-            self._direct = self._direct_mode(obj, chunks)
-        except BaseException:
-            self.close()
-            raise
+                where = f"{self.path}[{self.dataset!r}]"
+                self.dtype = table_dtype(obj.dtype, obj.attrs.get(DTYPE_ATTR) == "bfloat16", where)
+                if obj.shape is None or len(obj.shape) == 0:
+                    raise GadgetValueError(
+                        f"{where} holds a scalar; a table needs at least one axis"
+                    )
+                self.shape = tuple(int(s) for s in obj.shape)
+                self._stored = obj.dtype
+                chunks = obj.chunks
+                self.chunked = chunks is not None
+                if chunks is not None:
+                    self.chunk_rows = int(chunks[0])
+                else:
+                    self.chunk_rows = max(1, _CONTIGUOUS_BLOCK_BYTES // max(1, self.row_nbytes))
+                self._direct = self._direct_mode(obj, chunks)
+            except BaseException:
+                self.close()
+                raise
 
     # ---- handles ----------------------------------------------------------------------
     def writes_in_place(self) -> bool:

@@ -62,7 +62,7 @@ _hybrid = {"fraction": 0.6}
 #: of the two is faster follows no fixed boundary (DESIGN.md), so the first such gather of
 #: each class times both on its own rows (a warm-up and three timed runs of each, in
 #: series) and the one with the lower median serves the rest
-_TUNED: dict[tuple[int, int, int, int], str] = {}
+_TUNED: dict[tuple[Any, ...], str] = {}
 _TUNE_LOCK = threading.Lock()
 
 
@@ -305,25 +305,14 @@ def gather_many(
         return results
     host0 = hosts[0] if all(h is not None for h in hosts) else None
     how = resolve_strategy(strategy, first, n, host0)
-    if how == "hybrid" and strategy == "auto" and count is None:
-        key = _tune_key(first, n)
+    if how == "hybrid" and strategy == "auto":
+        key = _tune_key(tables, flat, ids_sorted)
         choice = _TUNED.get(key)
         if choice is None:
-            _tune(key, tables, hosts, flat, flat_outs, ids_sorted)
+            _tune(key, tables, hosts, flat, flat_outs, ids_sorted, count)
             return results  # the trial gathered the rows
         how = choice
-    if count is not None:
-        if how in ("kernel", "sorted"):
-            flat = flat.to(first.device).contiguous()
-            for g in _groups(tables):
-                _kernels.launch_gather(tables[g], flat, flat_outs[g], None, count=count)
-            return results
-        k = _count_value(count, n)
-        for out in flat_outs:
-            out[k:].zero_()
-        gather_many(tables, flat[:k], [o[:k] for o in flat_outs], how, hosts, ids_sorted=ids_sorted)
-        return results
-    _run_gather(how, tables, hosts, flat, flat_outs, ids_sorted)
+    _run_gather(how, tables, hosts, flat, flat_outs, ids_sorted, count)
     return results
 
 
@@ -334,8 +323,20 @@ def _run_gather(
     flat: torch.Tensor,
     flat_outs: list[torch.Tensor],
     ids_sorted: bool,
+    count: torch.Tensor | None = None,
 ) -> None:
-    """``flat_outs[k] = tables[k][flat]`` by one concrete strategy."""
+    """``flat_outs[k] = tables[k][flat]`` by one concrete strategy (only the first
+    ``count`` ids with ``count``, the other rows zero-filled)."""
+    if count is not None:
+        if how in ("kernel", "sorted"):  # the kernel reads the count on the GPU
+            flat = flat.to(tables[0].device).contiguous()
+            for g in _groups(tables):
+                _kernels.launch_gather(tables[g], flat, flat_outs[g], None, count=count)
+            return
+        k = _count_value(count, flat.numel())
+        for out in flat_outs:
+            out[k:].zero_()
+        flat, flat_outs = flat[:k], [o[:k] for o in flat_outs]
     if how == "hybrid":
         for table, host, out in zip(tables, hosts, flat_outs, strict=True):
             assert host is not None
@@ -353,20 +354,34 @@ def _run_gather(
         _kernels.launch_gather(tables[g], flat, flat_outs[g], pos)
 
 
-def _tune_key(table: torch.Tensor, n_ids: int) -> tuple[int, int, int, int]:
+def _tune_key(tables: list[torch.Tensor], flat: torch.Tensor, ids_sorted: bool) -> tuple[Any, ...]:
+    """A request's class for :data:`_TUNED`: its device, the powers of two of the table's
+    bytes, the ids and the row's bytes, the number of tables, where the ids are, whether
+    they come sorted, and the ``hybrid`` CPU share."""
+    table = tables[0]
     nbytes = table.shape[0] * _kernels.pitch_nbytes(table)
     row_bytes = math.prod(table.shape[1:]) * table.element_size()
     index = table.device.index if table.device.index is not None else 0
-    return (index, nbytes.bit_length(), n_ids.bit_length(), row_bytes.bit_length())
+    return (
+        index,
+        nbytes.bit_length(),
+        flat.numel().bit_length(),
+        row_bytes.bit_length(),
+        len(tables),
+        flat.is_cuda,
+        ids_sorted,
+        _hybrid["fraction"],
+    )
 
 
 def _tune(
-    key: tuple[int, int, int, int],
+    key: tuple[Any, ...],
     tables: list[torch.Tensor],
     hosts: list[torch.Tensor | None],
     flat: torch.Tensor,
     flat_outs: list[torch.Tensor],
     ids_sorted: bool,
+    count: torch.Tensor | None = None,
 ) -> None:
     """Gather the request by ``hybrid`` and by ``sorted``, each once to set up and then three
     times in a row (as a workload repeats one strategy), timing each run to its end on the
@@ -375,11 +390,15 @@ def _tune(
     device = tables[0].device
     times: dict[str, list[float]] = {"hybrid": [], "sorted": []}
     with _TUNE_LOCK:
+        done = _TUNED.get(key)
+        if done is not None:  # another thread measured this class meanwhile
+            _run_gather(done, tables, hosts, flat, flat_outs, ids_sorted, count)
+            return
         for how in times:
             for k in range(4):
                 torch.cuda.synchronize(device)
                 start = time.perf_counter()
-                _run_gather(how, tables, hosts, flat, flat_outs, ids_sorted)
+                _run_gather(how, tables, hosts, flat, flat_outs, ids_sorted, count)
                 torch.cuda.synchronize(device)
                 if k:  # the first run pays its set-up (staging buffers, kernels)
                     times[how].append(time.perf_counter() - start)
