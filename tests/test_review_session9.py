@@ -517,22 +517,23 @@ def test_auto_measures_sorted_against_hybrid_once_and_keeps_the_rows_exact():
 @pytest.fixture
 def simulated_engine(monkeypatch):
     """``auto`` sends every request to its sorted/hybrid trial; the two strategies are CPU
-    stand-ins of which ``sorted`` is made the faster; records every run."""
-    import time as _time
+    stand-ins of which ``sorted`` takes less time on a simulated clock; records every run."""
+    import types
 
     from gadgetloader.transfer import _engine, _kernels
 
     runs: list[str] = []
-    slow = {"hybrid": 0.01, "sorted": 0.0}
+    clock = [0.0]
+    took = {"hybrid": 0.010, "sorted": 0.002}
 
     def fake_hybrid(table, host, flat, out):
         runs.append("hybrid")
-        _time.sleep(slow["hybrid"])
+        clock[0] += took["hybrid"]
         torch.index_select(host, 0, flat.cpu(), out=out)
 
     def fake_launch(tables, ids, outs, pos=None, count=None, **kw):
         runs.append("sorted")
-        _time.sleep(slow["sorted"])
+        clock[0] += took["sorted"]
         tables = tables if isinstance(tables, list) else [tables]
         outs = outs if isinstance(outs, list) else [outs]
         n = ids.numel() if count is None else int(count)
@@ -551,6 +552,7 @@ def simulated_engine(monkeypatch):
     monkeypatch.setattr(_kernels, "launch_gather", fake_launch)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(_engine, "_TUNED", {})
+    monkeypatch.setattr(_engine, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     return _engine, runs
 
 
