@@ -83,7 +83,11 @@ class ModelSwitch:
         :meth:`beforeForwardPass` returns the local ids to feed the model (exact
         gradients for repeated ids). ``separate``: one row per id position, as
         SpeedTorch did (repeats are updated separately and the last write wins).
-        Default: ``merge``, switched to ``separate`` by :meth:`variableTransformer`.
+        Default: ``merge``, switched to ``separate`` by :meth:`variableTransformer` on
+        this switcher. In ``merge`` the variable holds the batch's distinct ids in
+        ascending order, so SpeedTorch-style dummy inputs made elsewhere (another
+        switcher's ``variableTransformer``, a hand-made ``arange``) address the wrong rows:
+        call :meth:`variableTransformer` on every switcher whose variable reads dummies.
 
     Notes
     -----
