@@ -603,3 +603,31 @@ def test_auto_trial_classes_follow_the_hybrid_share_and_threads_share_one_trial(
         assert len(runs) == 8  # another class: measured again
     finally:
         engine.set_hybrid_fraction(old)
+
+
+@pytest.mark.parametrize("op", ["getData", "insertData", "gather_many", "scatter_many"])
+def test_a_close_between_the_open_check_and_the_read_is_a_closed_error(op):
+    # another thread's close() landing after the store's open check used to fail an assert
+    g = gl.DataGadget(np.zeros((10, 4), np.float32), placement="cpu", device="cpu")
+    store = g.store
+    original = type(store).device_view
+    fired: list[int] = []
+
+    def closing_view(self=store):
+        if not fired:
+            fired.append(1)
+            th = threading.Thread(target=g.close)
+            th.start()
+            th.join()
+        return original(self)
+
+    store.device_view = closing_view
+    with pytest.raises(gl.GadgetClosedError):
+        if op == "getData":
+            g.getData([1, 2])
+        elif op == "insertData":
+            g.insertData(torch.ones(2, 4), [1, 2])
+        elif op == "gather_many":
+            gl.gather_many([g], [1, 2])
+        else:
+            gl.scatter_many([g], [torch.ones(2, 4)], [1, 2])

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import torch
 
@@ -138,7 +138,8 @@ class Store(abc.ABC):
             rows = torch.index_select(hv, 0, ids.reshape(-1).cpu())
             rows = rows.view(tuple(ids.shape) + self.row_shape)
         else:
-            assert dv is not None
+            if dv is None:
+                self._closed_meanwhile()
             rows = _engine.gather(dv, ids.to(dv.device), strategy=strategy)
         if out is not None:
             out.copy_(rows)
@@ -159,7 +160,8 @@ class Store(abc.ABC):
         if dv is not None and (rows.is_cuda or hv is None):
             _engine.scatter(dv, ids, rows.to(dv.device), strategy=strategy, host=hv, unique=unique)
             return
-        assert hv is not None
+        if hv is None:
+            self._closed_meanwhile()
         src = rows.reshape(ids.numel(), *self.row_shape).cpu()
         self.wait_for_gpu()  # queued GPU writes land first: this write is the later one
         if unique:
@@ -179,7 +181,8 @@ class Store(abc.ABC):
             self.wait_for_gpu()
             return hv[start:stop]
         dv = self.device_view()
-        assert dv is not None
+        if dv is None:
+            self._closed_meanwhile()
         return dv[start:stop].cpu()
 
     def write_block(self, start: int, rows: torch.Tensor) -> None:
@@ -196,7 +199,8 @@ class Store(abc.ABC):
         if dv is not None:
             dv[start:stop].copy_(rows, non_blocking=rows.is_pinned())
         else:
-            assert hv is not None
+            if hv is None:
+                self._closed_meanwhile()
             hv[start:stop].copy_(rows)
 
     def apply_(self, fn: Any, *args: Any, **kwargs: Any) -> None:
@@ -212,6 +216,10 @@ class Store(abc.ABC):
         assert view is not None
         with torch.no_grad():  # an alias: a shape-changing fn (t_, resize_) leaves the table's
             fn(view.view(view.shape), *args, **kwargs)
+
+    def _closed_meanwhile(self) -> NoReturn:
+        """A view came back empty after the open check: another thread closed the table."""
+        raise GadgetClosedError(f"this {self.placement} table was closed by another thread")
 
     def gpu_view_in_use(self) -> torch.Tensor | None:
         """The CUDA view GPU kernels may have used on rows the CPU also reaches (a
