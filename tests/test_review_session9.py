@@ -631,3 +631,36 @@ def test_a_close_between_the_open_check_and_the_read_is_a_closed_error(op):
             gl.gather_many([g], [1, 2])
         else:
             gl.scatter_many([g], [torch.ones(2, 4)], [1, 2])
+
+
+def test_a_close_that_gives_up_waiting_is_finished_by_the_other_tables_call(tmp_path):
+    # a.close() while another table of the same file holds the file's lock for > 1 s gave
+    # up and left a's (read-write) handle open until garbage collection
+    import time
+
+    path = tmp_path / "t.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=np.zeros((64, 4), np.float32), chunks=(8, 4), compression="gzip")
+    a = gl.DataGadget(str(path), placement="file", dataset="x", device="cpu", cache_bytes=0)
+    b = gl.DataGadget(str(path), placement="file", dataset="x", device="cpu", cache_bytes=0)
+    a.insertData(torch.ones(1, 4), [0])  # a holds an 'r+' handle
+    src = b.store._source()
+    for name in ("read_into", "read_chunks"):
+        original = getattr(src, name)
+
+        def slowly(*args, _original=original, **kwargs):
+            time.sleep(1.6)
+            return _original(*args, **kwargs)
+
+        setattr(src, name, slowly)
+    th = threading.Thread(target=lambda: b.getData([5]))
+    th.start()
+    time.sleep(0.2)
+    start = time.perf_counter()
+    a.close()  # gives up after a second: b's call holds the lock
+    assert time.perf_counter() - start >= 0.9
+    th.join(30)
+    assert a.store._src is None  # released by b's call on its way out
+    b.close()
+    with h5py.File(path, "r+") as f:  # nothing in this process holds the file now
+        assert f["x"][0, 0] == 1.0

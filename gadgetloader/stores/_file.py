@@ -71,10 +71,31 @@ def _file_lock(key: tuple[str, str | None]) -> threading.RLock:
     return lock
 
 
+#: closed tables whose close() gave up waiting for another table's call on the same file,
+#: by (process, file, dataset): whichever call next leaves that file's lock releases them
+_DEFERRED: dict[tuple[int, tuple[str, str | None]], list[weakref.ref[FileStore]]] = {}
+
+
+def _defer_release(store: FileStore) -> None:
+    with _LOCKS_GUARD:
+        _DEFERRED.setdefault((os.getpid(), store._key), []).append(weakref.ref(store))
+
+
+def _release_deferred(key: tuple[str, str | None]) -> None:
+    """Release the closed tables of ``key`` whose close gave up (the caller holds its lock)."""
+    with _LOCKS_GUARD:
+        waiting = _DEFERRED.pop((os.getpid(), key), None)
+    for ref in waiting or ():
+        store = ref()
+        if store is not None and store._closed:
+            store._release_locked()
+
+
 def _locks_after_fork_in_child() -> None:
     global _LOCKS_GUARD
     _LOCKS_GUARD = threading.Lock()  # another thread may have held the parent's
     _LOCKS.clear()  # the parent's, keyed by its pid
+    _DEFERRED.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -256,6 +277,7 @@ class FileStore(Store):
             finally:
                 if self._closed:  # closed during this call (see _release): release here
                     self._release_locked()
+                _release_deferred(self._key)  # other tables' closes that gave up waiting
 
     def _check_file(self) -> None:
         for path, ident in zip(self._watch_paths, self._ident, strict=True):
@@ -405,6 +427,15 @@ class FileStore(Store):
         if lock.acquire(timeout=1.0):
             try:
                 self._release_locked()
+            finally:
+                lock.release()
+            return
+        # another table of this file (or this table's own call) holds the lock: the call
+        # that next leaves it releases this table; if that call ended meanwhile, do it here
+        _defer_release(self)
+        if lock.acquire(blocking=False):
+            try:
+                _release_deferred(self._key)
             finally:
                 lock.release()
 
