@@ -42,6 +42,13 @@ def test_pipeline_bench_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     memory_label = next(k for k in routes if k.startswith("memory"))
     assert routes[memory_label] == (["kernel"] if "pinned" in memory_label else ["host"])
     assert all(v is None or v > 0 for v in report["sampler_us_per_batch"].values())
+    assert report["sampler_us_per_batch"]["torch RandomSampler + BatchSampler"] > 0
+    # torch's sampler alone, as a multiple of the fast form's time a batch
+    fast_us = next(r["us_per_batch"] for r in memory if r["method"].startswith("(c)"))
+    ratio = report["summary"]["torch_sampler_vs_fast"]
+    assert ratio == pytest.approx(
+        report["sampler_us_per_batch"]["torch RandomSampler + BatchSampler"] / fast_us, rel=0.5
+    )
     assert "column routes:" in out
     for r in report["results"]:
         assert r["check"] == "ok", r

@@ -9,8 +9,10 @@ with a :class:`~gadgetloader.GadgetSampler` as batch sampler; (d)
 (c): ``__getitems__`` on each sampler batch, without DataLoader. (b)-(e) run over the
 table in RAM (``pinned``; ``cpu`` without CUDA) and file-backed (``placement='file'``,
 where that placement exists). The report also gives each source's column routes (see
-``GadgetDataset``: ``kernel`` is one launch per batch) and the sampler's own time per
-batch.
+``GadgetDataset``: ``kernel`` is one launch per batch), the sampler's own time per
+batch, and the time torch's ``RandomSampler`` + ``BatchSampler`` take to build one
+batch's list of ids, which (b) spends before any gadgetloader code runs (its
+ratio to (c)'s time a batch is a floor under (b)'s ratio).
 
 Every row of the table encodes its own row number in its first three elements,
 so each method's first batch is checked against the file with NumPy before it
@@ -34,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
 
 from .._errors import GadgetValueError
 from ._common import (
@@ -297,6 +299,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 entry["error"] = f"{type(exc).__name__}: {exc}"
             results.append(entry)
 
+        # what the default form (b) spends in torch before any gadgetloader code runs:
+        # DataLoader(shuffle=True) builds each batch as a list of ints from these two
+        sampler_us["torch RandomSampler + BatchSampler"] = _sampler_us(
+            BatchSampler(RandomSampler(range(args.rows)), B, drop_last=False),
+            min(args.seconds, 0.5),
+        )
         # (b)-(d) gadgetloader, per source
         file_ok = _file_placement_available()
         for source in sources:
@@ -419,12 +427,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return max(vals) if vals else None
 
     fast, default = rate("(c)"), rate("(b)")
+    torch_sampler_us = sampler_us.get("torch RandomSampler + BatchSampler")
     summary = {
         "best_torch_rows_per_s": base,
         "best_torch_workers": best_torch["workers"] if best_torch else None,
         "memory_fast_x_torch": fast / base if fast and base else None,
         "memory_fast_of_limit": (fast * row_bytes / 1e9) / limit if fast and limit else None,
         "memory_default_vs_fast": fast / default if fast and default else None,
+        # the default form can be no faster than torch's sampler alone
+        "torch_sampler_vs_fast": (
+            torch_sampler_us * 1e-6 * fast / B if torch_sampler_us and fast else None
+        ),
     }
     report = {
         "benchmark": "pipeline",
@@ -484,6 +497,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         + (
             f"; fast form at {summary['memory_fast_of_limit']:.0%} of the pinned memcpy limit"
             if summary["memory_fast_of_limit"]
+            else ""
+        )
+        + (
+            f"; torch's sampler alone: {summary['torch_sampler_vs_fast']:.2f}x the fast form's time"
+            if summary["torch_sampler_vs_fast"]
             else ""
         )
     )
