@@ -69,3 +69,36 @@ def test_small_tables_fuse_and_huge_ones_go_one_by_one() -> None:
     assert [(g.start, g.stop) for g in _engine._groups(small)] == [(0, 4), (4, 6)]
     huge = [_table(1 << 30) for _ in range(3)]  # 3 GB together: translation-bound
     assert [(g.start, g.stop) for g in _engine._groups(huge)] == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_ordered_launch_shape_narrows_only_sparse_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ascending requests: dense ones keep the default grid; sparse ones get one block per
+    SM with vectors covering ~4 rows (~1 row past FAR_GAP_BYTES), never below 2 (4 past
+    VERY_FAR_GAP_BYTES) bytes a thread; 2 KB+ rows keep 16-byte vectors at moderate gaps."""
+    from gadgetloader.transfer import _kernels as k
+
+    table = 32 << 30
+    shape = k.ordered_shape
+    for row in (128, 512, 4096):
+        assert shape(row, table, table // (8 << 10)) == (None, 16)  # 8 KB per id: dense
+        assert shape(row, table, table // k.SPARSE_GAP_BYTES) == (None, 16)
+    assert shape(64, table, 1000) == (None, 16)  # narrow rows: not measured, default
+    assert shape(512, table, 0) == (None, 16)
+    mid = table // (64 << 10)
+    assert shape(512, table, mid) == (1, 8)  # 256 threads x 8 B = 4 rows of 512 B
+    assert shape(256, table, mid) == (1, 4)
+    assert shape(128, table, mid) == (1, 2)  # at least 2 B a thread
+    assert shape(2048, table, mid) == (1, 16)
+    far = table // (256 << 10)
+    assert shape(512, table, far) == (1, 2)  # one row per SM
+    assert shape(1024, table, far) == (1, 4)
+    very_far = table // (1 << 20)
+    assert shape(512, table, very_far) == (1, 4)  # at least 1 KiB per SM
+    assert shape(128, table, very_far) == (1, 4)
+    assert shape(4096, table, very_far) == (1, 16)
+    # the grid: capped at blocks_per_sm per SM, never more blocks than the work needs
+    monkeypatch.setattr(k, "_sm_count", lambda idx: 132)
+    monkeypatch.setattr(k, "_max_blocks", lambda idx: 132 * 16)
+    assert k._grid(10**9, 0, 1, 1) == 132
+    assert k._grid(10**9, 0, 1, None) == 132 * 16
+    assert k._grid(300, 0, 1, 1) == 2

@@ -327,11 +327,14 @@ def _run_gather(
 ) -> None:
     """``flat_outs[k] = tables[k][flat]`` by one concrete strategy (only the first
     ``count`` ids with ``count``, the other rows zero-filled)."""
+    ordered = how == "sorted" or ids_sorted  # ascending ids: see _kernels.ordered_shape
     if count is not None:
         if how in ("kernel", "sorted"):  # the kernel reads the count on the GPU
             flat = flat.to(tables[0].device).contiguous()
             for g in _groups(tables):
-                _kernels.launch_gather(tables[g], flat, flat_outs[g], None, count=count)
+                _kernels.launch_gather(
+                    tables[g], flat, flat_outs[g], None, count=count, ordered=ordered
+                )
             return
         k = _count_value(count, flat.numel())
         for out in flat_outs:
@@ -351,7 +354,7 @@ def _run_gather(
     if how == "sorted" and not ids_sorted:
         flat, pos = torch.sort(flat)
     for g in _groups(tables):
-        _kernels.launch_gather(tables[g], flat, flat_outs[g], pos)
+        _kernels.launch_gather(tables[g], flat, flat_outs[g], pos, ordered=ordered)
 
 
 def _tune_key(tables: list[torch.Tensor], flat: torch.Tensor, ids_sorted: bool) -> tuple[Any, ...]:
@@ -416,7 +419,7 @@ def _hybrid_gather(
     gpu_ids = flat[k:].to(device, non_blocking=True)
     if gpu_ids.numel():
         sorted_ids, pos = torch.sort(gpu_ids)
-        _kernels.launch_gather(table, sorted_ids, out[k:], pos)
+        _kernels.launch_gather(table, sorted_ids, out[k:], pos, ordered=True)
     if k == 0:
         return
     cpu_ids = flat[:k].cpu()
@@ -492,10 +495,10 @@ def scatter_many(
     if count is not None:
         if not unique:
             raise GadgetValueError("a scatter with a count needs distinct ids (unique=True)")
-        if how in ("kernel", "sorted"):
+        if how in ("kernel", "sorted"):  # a plan's ids: ascending
             for g in _groups(tables):
                 _kernels.launch_scatter(
-                    tables[g], flat, srcs[g], None, _kernels.SCATTER_ALL, count=count
+                    tables[g], flat, srcs[g], None, _kernels.SCATTER_ALL, count=count, ordered=True
                 )
             return
         k = _count_value(count, n)
@@ -520,7 +523,7 @@ def scatter_many(
                 _hybrid_scatter(table, host, sel_ids, picked)
         return
     for g in _groups(tables):
-        _kernels.launch_scatter(tables[g], sorted_ids, srcs[g], pos, mode)
+        _kernels.launch_scatter(tables[g], sorted_ids, srcs[g], pos, mode, ordered=not unique)
 
 
 def _count_value(count: torch.Tensor, n: int) -> int:
