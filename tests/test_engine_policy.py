@@ -82,7 +82,8 @@ def test_ordered_launch_shape_narrows_only_sparse_requests(monkeypatch: pytest.M
     for row in (128, 512, 4096):
         assert shape(row, table, table // (8 << 10)) == (None, 16)  # 8 KB per id: dense
         assert shape(row, table, table // k.SPARSE_GAP_BYTES) == (None, 16)
-    assert shape(64, table, 1000) == (None, 16)  # narrow rows: not measured, default
+    assert shape(16, table, 1000) == (None, 16)  # rows under 32 B: not measured, default
+    assert shape(32, table, table // (128 << 10)) == (1, 2)
     assert shape(512, table, 0) == (None, 16)
     mid = table // (64 << 10)
     assert shape(512, table, mid) == (1, 8)  # 256 threads x 8 B = 4 rows of 512 B

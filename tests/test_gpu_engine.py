@@ -256,7 +256,7 @@ def test_sparse_ordered_launches_move_the_same_rows(
     # and through the engine's sorted strategy
     assert torch.equal(g.getData(ids).cpu(), expect[ids.cpu()])
     more = (torch.rand(n_ids, width) * 100).to(dtype)
-    g.insertData(ids, more.cuda())
+    g.insertData(more.cuda(), ids)
     expect[ids.cpu()] = more
     assert torch.equal(g.as_tensor().cpu(), expect)
     g.close()

@@ -332,6 +332,12 @@ def _plot(report: dict[str, Any], path: str) -> None:
         r.setdefault("ids_requested", r["ids"])
     columns = sorted({(r["ids_requested"], r["row_bytes"]) for r in res})
     kinds = ["gather", "scatter"]
+    # one colour per method in every panel
+    names = sorted(
+        {r["method"] if r["pages"] == "default" else f"{r['method']} [{r['pages']}]" for r in res}
+    )
+    palette = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    colour = {name: palette(i % palette.N) for i, name in enumerate(names)}
     fig, axes = plt.subplots(
         2, max(1, len(columns)), figsize=(6 * max(1, len(columns)), 8), squeeze=False
     )
@@ -348,6 +354,7 @@ def _plot(report: dict[str, Any], path: str) -> None:
                 [p[1] for p in pts],
                 marker="o",
                 label=name,
+                color=colour[name],
                 linestyle="--" if label[0] == "memcpy" else "-",
             )
         ax.set_xscale("log", base=2)

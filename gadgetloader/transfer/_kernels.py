@@ -321,7 +321,7 @@ FAR_GAP_BYTES = 96 << 10
 #: ... and beyond this many, at least 1 KiB per SM again (4-byte vectors)
 VERY_FAR_GAP_BYTES = 640 << 10
 #: narrower rows keep the default grid (not measured with the sparse shapes)
-MIN_SHAPED_ROW = 128
+MIN_SHAPED_ROW = 32
 
 
 def ordered_shape(row_nbytes: int, table_nbytes: int, n_ids: int) -> tuple[int | None, int]:
@@ -335,7 +335,7 @@ def ordered_shape(row_nbytes: int, table_nbytes: int, n_ids: int) -> tuple[int |
     SM, its vectors sized to cover about four rows at once, one row past
     :data:`FAR_GAP_BYTES` per id, and at least 2 bytes a thread (4 past
     :data:`VERY_FAR_GAP_BYTES`). Measured on the H200 (DESIGN.md, "Launch shape"):
-    sorted gathers of 128 B - 1 KB rows from 4-64 GB tables took 9-48% less time
+    sorted gathers of 32 B - 1 KB rows from 4-64 GB tables took 9-48% less time
     than with the default grid; 2-4 KB rows and dense requests are unchanged. Rows
     narrower than :data:`MIN_SHAPED_ROW` keep the default grid.
     """
