@@ -99,6 +99,8 @@ def _is_shape(obj: Any) -> bool:
 
 def _unsigned_to(a: np.ndarray, target: torch.dtype) -> np.ndarray:
     """A uint16/32/64 array (no torch table dtype) as ``target``, if every value fits."""
+    if target == torch.bfloat16:  # no NumPy bfloat16: through float32, which holds any uint64
+        return a.astype(np.float32)
     npd = numpy_dtype(target)
     if npd.kind not in "iuf":
         raise GadgetTypeError(
@@ -106,7 +108,8 @@ def _unsigned_to(a: np.ndarray, target: torch.dtype) -> np.ndarray:
         )
     if a.size:
         hi = int(a.max())
-        top = np.iinfo(npd).max if npd.kind in "iu" else np.finfo(npd).max
+        # Python numbers: comparing with a NumPy float16 would warn about its own overflow
+        top = int(np.iinfo(npd).max) if npd.kind in "iu" else float(np.finfo(npd).max)
         if hi > top:
             raise GadgetValueError(
                 f"the source array holds values up to {hi}, beyond {dtype_name(target)}'s range"
@@ -530,6 +533,18 @@ class DataGadget:
         self, dataObject: Any, indexes: Any, check_ids: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Checked (data, ids) for a write; raises before anything is written."""
+        dtype = getattr(dataObject, "dtype", None)
+        if isinstance(dataObject, np.ndarray) and dtype is not None:
+            try:
+                numpy_ok = as_torch_dtype(dtype) == self.dtype
+            except Exception:  # a dtype with no torch table form (complex, str, uint16, ...)
+                numpy_ok = False
+            if not numpy_ok:
+                raise GadgetTypeError(
+                    f"insertData expected {dtype_name(self.dtype)} data (the table's dtype) but "
+                    f"got a NumPy array of {dtype}; convert it with .astype(...) to the table's "
+                    "dtype"
+                )
         data = as_tensor_data(dataObject)
         if data.dtype != self.dtype:
             raise GadgetTypeError(
@@ -583,6 +598,34 @@ class DataGadget:
         self.insertData(data, indexes)
 
     # ---- whole-table access ------------------------------------------------------------
+    @property
+    def requires_grad(self) -> bool:
+        """Whether an offloaded embedding trains this table: ``emb.weight.requires_grad``
+        (False for a table that no module trains; a table is never an autograd tensor)."""
+        owner = self.__dict__.get("_owner")
+        module = owner() if owner is not None else None
+        return module is not None and not module._frozen
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        owner = self.__dict__.get("_owner")
+        module = owner() if owner is not None else None
+        if module is None:
+            raise GadgetTypeError(
+                "this DataGadget is a table, not an autograd tensor, so it has no requires_grad "
+                "to set; to freeze an OffloadedEmbedding's table use module.requires_grad_(False) "
+                "or module.weight.requires_grad = False"
+            )
+        if not isinstance(value, bool):
+            raise GadgetTypeError(f"requires_grad must be True or False; got {value!r}")
+        module.requires_grad_(value)
+
+    def requires_grad_(self, requires_grad: bool = True) -> DataGadget:
+        """``emb.weight.requires_grad_(False)`` freezes an offloaded embedding's table (as
+        ``emb.requires_grad_(False)``); see :attr:`requires_grad`."""
+        self.requires_grad = requires_grad
+        return self
+
     def as_tensor(self) -> torch.Tensor:
         """The whole table as a torch tensor *without copying*: the CUDA view for
         ``cuda`` and ``pinned`` (GPU ops on it read/write host RAM in place for
@@ -870,7 +913,9 @@ class DataGadget:
                 "open the file with placement='file' (each worker reopens it) or use "
                 "placement='cpu'; 'fork' workers inherit the gadget without pickling"
             )
-        return self.__dict__.copy()
+        state = self.__dict__.copy()
+        state.pop("_owner", None)  # the module that trains it (a weak reference) stays behind
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

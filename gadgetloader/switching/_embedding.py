@@ -217,8 +217,19 @@ class _OffloadedTable(nn.Module):
 
     @property
     def weight(self) -> DataGadget:
-        """The full table (a :class:`~gadgetloader.DataGadget`)."""
-        return self.table
+        """The full table (a :class:`~gadgetloader.DataGadget`). As for ``nn.Embedding``,
+        ``emb.weight.requires_grad = False`` freezes it (``emb.requires_grad_(False)``)."""
+        table = self.table
+        table.__dict__["_owner"] = weakref.ref(self)  # for DataGadget.requires_grad
+        return table
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Throw away the gradients of this module's lookups since the last step (as
+        ``nn.Embedding.zero_grad()`` does its weight's); the optimizer's ``zero_grad()`` does
+        this for every table it trains. A parent module's ``zero_grad()`` does not reach
+        these lookups (they are not parameters): call the optimizer's."""
+        super().zero_grad(set_to_none)
+        self._clear_grads()
 
     def extra_repr(self) -> str:
         return (
@@ -802,7 +813,22 @@ def _collect(
         if isinstance(item, dict):
             if "params" not in item:
                 raise GadgetValueError(f"param group {i} has no 'params' entry")
+            claimed = set(seen)
+            seen.clear()  # within one dict a repeat is merged; across dicts it is refused
             tables, plain = expand(item["params"], f"param group {i}")
+            both = [x for x in (*tables, *plain) if id(x) in claimed]
+            if both:
+                what = (
+                    f"the {type(both[0]).__name__}"
+                    if isinstance(both[0], _OffloadedTable)
+                    else f"a parameter of shape {tuple(both[0].shape)}"
+                )
+                raise GadgetValueError(
+                    f"param group {i} names {what} that an earlier param group already "
+                    "names; as in torch, a parameter (or an offloaded table) may not appear in more "
+                    "than one param group"
+                )
+            seen.update(claimed)
             groups.append(({**item, "params": plain}, tables))
     rest_tables: list[_OffloadedTable] = []
     rest: list[Any] = []
@@ -836,7 +862,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         (``{"params": model.emb, "lr": 0.5}``): their tables then take that group's
         options. What a dict names is left out of the modules given beside it, so
         ``[model, {"params": model.head.parameters(), "lr": 0.01}]`` works; everything
-        not named by a dict shares one group with the keyword options.
+        not named by a dict shares one group with the keyword options. Two dicts naming
+        the same parameter or table are refused (``GadgetValueError``), as torch
+        refuses them.
     **kwargs
         Passed to ``optimizer_class`` (``lr=``, ``betas=``, ``foreach=``, ``fused=``, ...).
 
@@ -846,7 +874,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     table, over the distinct rows used since the last step (the gradients of all
     forward calls summed), with their optimizer state gathered from and scattered
     back to state tables in the table's placement. Rows not used are untouched,
-    and each table keeps one step count, as torch's ``SparseAdam``. The wrapper is
+    and each table keeps one step count, as torch's ``SparseAdam`` (a table with no
+    lookup since the last step is not stepped, even where ``zero_grad(set_to_none=False)``
+    would have left torch a zero gradient to count a step for). The wrapper is
     a ``torch.optim.Optimizer`` sharing ``param_groups`` and ``state`` with the
     inner optimizer, so learning-rate schedulers work.
 
