@@ -241,7 +241,9 @@ class GadgetLoader:
         return {"sampler": self._sampler.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict` at the next ``iter()``."""
+        """Resume from :meth:`state_dict` at the next ``iter()`` (see
+        :meth:`GadgetSampler.load_state_dict`: the saved seed and epoch come with it, and a
+        state saved at an epoch's end gives one empty pass, then the next epoch)."""
         if not isinstance(state_dict, dict) or "sampler" not in state_dict:
             raise GadgetValueError(
                 "not a GadgetLoader state: expected a dict from GadgetLoader.state_dict() "

@@ -617,11 +617,16 @@ class GadgetSampler(Sampler[Any]):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict`: the next ``iter()`` resumes mid-epoch.
 
+        The state's seed and epoch replace the sampler's own: the sampler continues the
+        saved run's order. A state saved after an epoch's last batch gives one empty pass,
+        then the next epoch.
+
         Raises
         ------
         GadgetValueError
             The state was saved for another dataset size, world size, batch size,
-            order or chunk layout (the positions would mean different rows).
+            order, ``drop_last`` / ``pad`` setting or chunk layout (the positions would
+            mean different rows). The sampler is then unchanged.
         """
         if not isinstance(state_dict, dict) or "position" not in state_dict:
             got = (
