@@ -72,31 +72,26 @@ def test_small_tables_fuse_and_huge_ones_go_one_by_one() -> None:
 
 
 def test_ordered_launch_shape_narrows_only_sparse_requests(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ascending requests: dense ones keep the default grid; sparse ones get one block per
-    SM with vectors covering ~4 rows (~1 row past FAR_GAP_BYTES), never below 2 (4 past
-    VERY_FAR_GAP_BYTES) bytes a thread; 2 KB+ rows keep 16-byte vectors at moderate gaps."""
+    """Ascending requests: dense ones (up to 16 KB of table per id) keep the default grid;
+    sparse ones with rows of 512 B up to 2 KB get one block per SM with 8-byte vectors;
+    narrower and wider rows keep the default."""
     from gadgetloader.transfer import _kernels as k
 
     table = 32 << 30
     shape = k.ordered_shape
-    for row in (128, 512, 4096):
+    for row in (128, 512, 1024, 4096):
         assert shape(row, table, table // (8 << 10)) == (None, 16)  # 8 KB per id: dense
         assert shape(row, table, table // k.SPARSE_GAP_BYTES) == (None, 16)
-    assert shape(16, table, 1000) == (None, 16)  # rows under 32 B: not measured, default
-    assert shape(32, table, table // (128 << 10)) == (1, 2)
     assert shape(512, table, 0) == (None, 16)
-    mid = table // (64 << 10)
-    assert shape(512, table, mid) == (1, 8)  # 256 threads x 8 B = 4 rows of 512 B
-    assert shape(256, table, mid) == (1, 4)
-    assert shape(128, table, mid) == (1, 2)  # at least 2 B a thread
-    assert shape(2048, table, mid) == (1, 16)
-    far = table // (256 << 10)
-    assert shape(512, table, far) == (1, 2)  # one row per SM
-    assert shape(1024, table, far) == (1, 4)
-    very_far = table // (1 << 20)
-    assert shape(512, table, very_far) == (1, 4)  # at least 1 KiB per SM
-    assert shape(128, table, very_far) == (1, 4)
-    assert shape(4096, table, very_far) == (1, 16)
+    for gap in (32 << 10, 256 << 10, 1 << 20):
+        n = table // gap
+        assert shape(512, table, n) == (1, 8)  # 256 threads x 8 B = 4 rows of 512 B per SM
+        assert shape(1536, table, n) == (1, 8)
+        assert shape(2047, table, n) == (1, 8)
+        assert shape(511, table, n) == (None, 16)  # narrow rows: the default
+        assert shape(128, table, n) == (None, 16)
+        assert shape(2048, table, n) == (None, 16)  # 2 KB and wider gained nothing
+        assert shape(4096, table, n) == (None, 16)
     # the grid: capped at blocks_per_sm per SM, never more blocks than the work needs
     monkeypatch.setattr(k, "_sm_count", lambda idx: 132)
     monkeypatch.setattr(k, "_max_blocks", lambda idx: 132 * 16)

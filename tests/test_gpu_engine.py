@@ -213,19 +213,20 @@ def test_a_fresh_thread_launches_without_any_cuda_call_of_its_own() -> None:
     "width,dtype",
     [
         (128, torch.float32),
-        (64, torch.float16),
+        (256, torch.float16),
         (256, torch.float32),
         (1024, torch.uint8),
-        (33, torch.float32),
+        (129, torch.float32),  # 516 B rows: 4-byte vectors at most
+        (384, torch.float32),
     ],
 )
 @pytest.mark.parametrize("n_ids", [4, 300, 3000])
 def test_sparse_ordered_launches_move_the_same_rows(
     width: int, dtype: torch.dtype, n_ids: int
 ) -> None:
-    """Ascending ids through a 64 MiB table: 3000 ids (~22 KB a id), 300 (~220 KB) and 4 are
-    each a different launch-shape tier of ``ordered_shape``; rows, repeats and counts must
-    come out as with the default grid."""
+    """Ascending ids through a 64 MiB table (22 KB to 16 MB of table per id: the sparse launch
+    shape of ``ordered_shape``); rows, repeats and counts must come out as with the default
+    grid."""
     row_bytes = width * torch.empty((), dtype=dtype).element_size()
     rows = (64 << 20) // row_bytes
     src = (torch.rand(rows, width) * 100).to(dtype)
@@ -250,14 +251,21 @@ def test_sparse_ordered_launches_move_the_same_rows(
     new = (torch.rand(n_ids, width) * 100).to(dtype)
     _kernels.launch_scatter(table, s, new.cuda(), perm, _kernels.SCATTER_LAST_OF_RUN, ordered=True)
     torch.cuda.synchronize()
-    expect = src.clone()
-    expect[ids.cpu()] = new  # sequential assignment: the last occurrence wins
+
+    def last_wins(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # each id's last occurrence (torch's own index_put leaves repeats unordered)
+        last = {i: j for j, i in enumerate(ids.tolist())}
+        out = table.clone()
+        out[list(last)] = rows[list(last.values())]
+        return out
+
+    expect = last_wins(src, new)
     assert torch.equal(g.as_tensor().cpu(), expect)
     # and through the engine's sorted strategy
     assert torch.equal(g.getData(ids).cpu(), expect[ids.cpu()])
     more = (torch.rand(n_ids, width) * 100).to(dtype)
     g.insertData(more.cuda(), ids)
-    expect[ids.cpu()] = more
+    expect = last_wins(expect, more)
     assert torch.equal(g.as_tensor().cpu(), expect)
     g.close()
 

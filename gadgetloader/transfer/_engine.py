@@ -332,8 +332,8 @@ def _run_gather(
         if how in ("kernel", "sorted"):  # the kernel reads the count on the GPU
             flat = flat.to(tables[0].device).contiguous()
             for g in _groups(tables):
-                _kernels.launch_gather(
-                    tables[g], flat, flat_outs[g], None, count=count, ordered=ordered
+                _kernels.launch_gather(  # (no sort here: ascending only if they came so)
+                    tables[g], flat, flat_outs[g], None, count=count, ordered=ids_sorted
                 )
             return
         k = _count_value(count, flat.numel())
@@ -520,7 +520,7 @@ def scatter_many(
             if how == "torch" or host is None:
                 table.index_copy_(0, sel_ids, picked)
             else:
-                _hybrid_scatter(table, host, sel_ids, picked)
+                _hybrid_scatter(table, host, sel_ids, picked, ordered=not unique)
         return
     for g in _groups(tables):
         _kernels.launch_scatter(tables[g], sorted_ids, srcs[g], pos, mode, ordered=not unique)
@@ -540,7 +540,12 @@ def _last_of_run(sorted_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _hybrid_scatter(
-    table: torch.Tensor, host: torch.Tensor, ids: torch.Tensor, src: torch.Tensor
+    table: torch.Tensor,
+    host: torch.Tensor,
+    ids: torch.Tensor,
+    src: torch.Tensor,
+    *,
+    ordered: bool = False,
 ) -> None:
     """``table[ids] = src`` for distinct ``ids``: the GPU kernel writes a share while CPU
     threads write the rest from a pinned staging copy."""
@@ -548,7 +553,7 @@ def _hybrid_scatter(
     k = int(n * _hybrid["fraction"])
     device = table.device
     if k < n:
-        _kernels.launch_scatter(table, ids[k:], src[k:])
+        _kernels.launch_scatter(table, ids[k:], src[k:], ordered=ordered)
     if k == 0:
         return
     cpu_ids = ids[:k].cpu()

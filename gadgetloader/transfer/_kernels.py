@@ -312,42 +312,45 @@ def _max_blocks(device_index: int) -> int:
     return _sm_count(device_index) * (2048 // BLOCK) * 2
 
 
-#: table bytes per id above which an ascending request is *sparse*: each row then needs its
-#: own translation of a host page, and the GPU serves them faster with fewer rows in flight
+#: table bytes per id above which an ascending request is taken as *sparse*: each row then
+#: needs its own translation of a host page, which the GPU serves faster with fewer rows in
+#: flight
 SPARSE_GAP_BYTES = 16 << 10
-#: beyond this many table bytes per id an ascending request keeps about one row per SM in
-#: flight (about four below it) ...
-FAR_GAP_BYTES = 96 << 10
-#: ... and beyond this many, at least 1 KiB per SM again (4-byte vectors)
-VERY_FAR_GAP_BYTES = 640 << 10
-#: narrower rows keep the default grid (not measured with the sparse shapes)
-MIN_SHAPED_ROW = 32
+#: rows narrower than this, or this wide and wider, keep the default grid (see
+#: :func:`ordered_shape`)
+MIN_SHAPED_ROW, MAX_SHAPED_ROW = 512, 2048
+#: vector bytes of a sparse launch: 256 threads x 8 B = 2 KiB in flight per SM
+SPARSE_VECTOR = 8
 
 
 def ordered_shape(row_nbytes: int, table_nbytes: int, n_ids: int) -> tuple[int | None, int]:
     """(blocks per SM, or None for the default grid; widest vector in bytes) for a launch
-    whose ids ascend through a table of ``table_nbytes``.
+    whose ``n_ids`` ids ascend through a table of ``table_nbytes``.
 
     The default grid (16 blocks of 256 threads per SM, 16-byte vectors) keeps ~8 MB of
-    loads in flight, which dense requests need to fill the link. A sparse request (more
-    than :data:`SPARSE_GAP_BYTES` of table per id) is bound by the GPU's translations of
-    host pages instead, which it serves faster with fewer rows in flight: one block per
-    SM, its vectors sized to cover about four rows at once, one row past
-    :data:`FAR_GAP_BYTES` per id, and at least 2 bytes a thread (4 past
-    :data:`VERY_FAR_GAP_BYTES`). Measured on the H200 (DESIGN.md, "Launch shape"):
-    sorted gathers of 32 B - 1 KB rows from 4-64 GB tables took 9-48% less time
-    than with the default grid; 2-4 KB rows and dense requests are unchanged. Rows
-    narrower than :data:`MIN_SHAPED_ROW` keep the default grid.
+    loads in flight, which dense requests need to fill the link. A sparse request is
+    bound by the GPU's translations of host pages instead, which it serves faster with
+    fewer rows in flight; so rows of :data:`MIN_SHAPED_ROW` up to :data:`MAX_SHAPED_ROW`
+    bytes from a table with more than :data:`SPARSE_GAP_BYTES` per id get one block per
+    SM with 8-byte vectors (2 KiB in flight per SM). H200, sorted 512 B rows (DESIGN.md,
+    "Launch shape for sparse ascending requests"): gathers of 131,072 ids from 4-64 GB
+    tables 9-18% faster than with the default grid (1M ids on 64 GB: 25%); 2-4 KB rows
+    gained nothing.
+
+    The table's bytes per id is only an estimate of how far apart the ids are (they
+    may cluster in part of the table, and their real spread is on the GPU), so the shape
+    is the one that measured close to the default on dense requests too (1-3% slower):
+    one row per SM in flight was faster still on truly sparse requests but up to 2x
+    slower on dense ones, and rows under 512 B gain only from shapes that dense
+    requests pay for.
     """
-    if n_ids <= 0 or table_nbytes // n_ids <= SPARSE_GAP_BYTES or row_nbytes < MIN_SHAPED_ROW:
+    if (
+        n_ids <= 0
+        or not MIN_SHAPED_ROW <= row_nbytes < MAX_SHAPED_ROW
+        or table_nbytes // n_ids <= SPARSE_GAP_BYTES
+    ):
         return None, 16
-    gap = table_nbytes // n_ids
-    rows = 4 if gap <= FAR_GAP_BYTES else 1
-    least = 4 if gap > VERY_FAR_GAP_BYTES else 2
-    w = 16
-    while w > least and w * BLOCK > rows * row_nbytes:
-        w //= 2
-    return 1, w
+    return 1, SPARSE_VECTOR
 
 
 def _row_nbytes(table: torch.Tensor) -> int:
