@@ -533,17 +533,25 @@ class DataGadget:
         self, dataObject: Any, indexes: Any, check_ids: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Checked (data, ids) for a write; raises before anything is written."""
-        dtype = getattr(dataObject, "dtype", None)
-        if isinstance(dataObject, np.ndarray) and dtype is not None:
+        if isinstance(dataObject, (np.ndarray, np.generic, list)):
+            # NumPy data (a list becomes a NumPy array): said in NumPy's terms, and for a
+            # dtype with no table form too (complex, strings, uint16, ...)
+            arr = dataObject if not isinstance(dataObject, list) else None
             try:
-                numpy_ok = as_torch_dtype(dtype) == self.dtype
-            except Exception:  # a dtype with no torch table form (complex, str, uint16, ...)
+                dtype: Any = arr.dtype if arr is not None else np.asarray(dataObject).dtype
+            except Exception:  # a ragged list: as_tensor_data below says so
+                dtype = None
+            try:
+                numpy_ok = dtype is None or as_torch_dtype(dtype) == self.dtype
+            except Exception:  # no table form (complex, strings, uint16, ...)
                 numpy_ok = False
             if not numpy_ok:
+                kind = "a list" if arr is None else f"a NumPy {type(dataObject).__name__}"
                 raise GadgetTypeError(
                     f"insertData expected {dtype_name(self.dtype)} data (the table's dtype) but "
-                    f"got a NumPy array of {dtype}; convert it with .astype(...) to the table's "
-                    "dtype"
+                    f"got {kind} of {dtype}; convert it with np.asarray(data, "
+                    f"dtype='{dtype_name(self.dtype)}')"
+                    + (" (bfloat16: through torch)" if self.dtype == torch.bfloat16 else "")
                 )
         data = as_tensor_data(dataObject)
         if data.dtype != self.dtype:

@@ -94,8 +94,9 @@ def ref_bag(w: torch.Tensor, mode: str, **kw) -> nn.EmbeddingBag:
 
 
 def table(m) -> torch.Tensor:
-    """The offloaded module's whole table (a copy)."""
-    return m.weight.as_tensor().detach().clone()
+    """The offloaded module's whole table (a copy, on the CPU: a ``pinned`` table's tensor is
+    its CUDA view where there is a GPU)."""
+    return m.weight.as_tensor().detach().to("cpu", copy=True)
 
 
 class Net(nn.Module):

@@ -140,6 +140,7 @@ class _OffloadedTable(nn.Module):
             placement=placement,
             device=self.compute_device,
         )
+        self.table.__dict__["_owner"] = weakref.ref(self)  # for DataGadget.requires_grad
         if init is None:
             self.table.normal_(0.0, 1.0)
         else:
@@ -182,6 +183,12 @@ class _OffloadedTable(nn.Module):
     def placement(self) -> str:
         return self.table.placement
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        table = self.__dict__.get("table")
+        if table is not None:  # a copy's table answers to the copy (its own table)
+            table.__dict__["_owner"] = weakref.ref(self)
+
     def requires_grad_(self, requires_grad: bool = True) -> _OffloadedTable:
         """``requires_grad_(False)`` freezes the table, as for ``nn.Embedding``: lookups
         return constants, and the optimizer leaves the table and its state alone."""
@@ -220,7 +227,9 @@ class _OffloadedTable(nn.Module):
         """The full table (a :class:`~gadgetloader.DataGadget`). As for ``nn.Embedding``,
         ``emb.weight.requires_grad = False`` freezes it (``emb.requires_grad_(False)``)."""
         table = self.table
-        table.__dict__["_owner"] = weakref.ref(self)  # for DataGadget.requires_grad
+        owner = table.__dict__.get("_owner")
+        if owner is None or owner() is None:  # (set when built; a copy's table gets it here)
+            table.__dict__["_owner"] = weakref.ref(self)  # for DataGadget.requires_grad
         return table
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -230,6 +239,12 @@ class _OffloadedTable(nn.Module):
         these lookups (they are not parameters): call the optimizer's."""
         super().zero_grad(set_to_none)
         self._clear_grads()
+        self._slot.param.grad = None  # a merge's gradient too: torch's step then skips it
+        try:
+            self._finish_checks()  # a bad id in the discarded lookups is reported now
+        except Exception:
+            self._drop_step()
+            raise
 
     def extra_repr(self) -> str:
         return (
