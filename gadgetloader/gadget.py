@@ -524,6 +524,7 @@ class DataGadget:
             anything is written, so the table is unchanged.
         """
         self._store.check_writable()
+        self._check_no_waiting_lookup("insertData into this table")
         data, ids = self._insert_args(dataObject, indexes, check_ids)
         if ids.numel() == 0:
             return
@@ -677,8 +678,22 @@ class DataGadget:
         """Fill the table in place with any torch initializer, e.g.
         ``g.init_(torch.nn.init.xavier_uniform_)``. On ``pinned`` the GPU writes
         straight into host RAM: no GPU-sized temporary."""
+        self._check_no_waiting_lookup("filling this table")
         self._store.apply_(fn, *args, **kwargs)
         return self
+
+    def _check_no_waiting_lookup(self, what: str) -> None:
+        """Refuse to change the rows of an offloaded embedding's table while one of its
+        lookups with a gradient waits for the step: the step would write the rows that
+        lookup read back over the change."""
+        owner = self.__dict__.get("_owner")
+        module = owner() if owner is not None else None
+        if module is not None and getattr(module, "_pending", None) and module._blocks_load():
+            raise GadgetValueError(
+                f"{what} is refused while a lookup of its OffloadedEmbedding with a "
+                "gradient waits for step(): the step would write the rows it read over the "
+                "change; change the rows before the forward or after step() (or zero_grad())"
+            )
 
     def zero_(self) -> DataGadget:
         return self.init_(torch.Tensor.zero_)
@@ -842,6 +857,7 @@ class DataGadget:
         the file is read into a staging copy first (1x the table in ordinary RAM, as a
         new store would take), so a file that fails part-way leaves the table unchanged.
         """
+        self._check_no_waiting_lookup("loading a file into this table")
         if getattr(self._store, "load_in_place", False):
             self._load_in_place(os.fspath(path), dataset, format, progress)
             return

@@ -15,6 +15,7 @@ import io
 import pickle
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -1747,3 +1748,29 @@ def test_cuda_ids_for_a_cpu_device_table():
         assert "device" in str(exc) or "cuda" in str(exc)
     else:
         torch.testing.assert_close(out.cpu(), ref.emb(ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["load", "loadCupy", "insertData", "setitem", "fill_", "init_"])
+def test_changing_rows_while_a_lookup_waits_is_refused(how, tmp_path):
+    """README: changing a table's rows while a lookup with a gradient waits for its step is
+    refused (the step would write the rows it read over the change); after step() it works."""
+    f = tmp_path / "zeros.npy"
+    np.save(f, np.zeros((N, D), np.float32))
+    emb = off_emb(weights(170))
+    opt = gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=0.1)
+    emb(torch.tensor([1, 2])).sum().backward()
+    before = table(emb)
+    change = {
+        "load": lambda: emb.weight.load(f),
+        "loadCupy": lambda: emb.weight.loadCupy(f),
+        "insertData": lambda: emb.weight.insertData(torch.zeros(1, D), [3]),
+        "setitem": lambda: emb.weight.__setitem__([3], torch.zeros(1, D)),
+        "fill_": lambda: emb.weight.fill_(0.0),
+        "init_": lambda: emb.weight.init_(nn.init.zeros_),
+    }[how]
+    with pytest.raises(gl.GadgetValueError, match="waits for step"):
+        change()
+    assert torch.equal(table(emb), before)
+    opt.step()
+    change()  # no lookup waits now
+    assert not table(emb)[3].any()

@@ -100,7 +100,11 @@ def _parts(obj: Any) -> tuple[str, dict[str, DataGadget], Any]:
         return "model_switch", {"table": obj.table}, None
     if isinstance(obj, OptimizerSwitch):
         pager = obj._need_pager()
-        return "optimizer_switch", dict(pager.tables), {"scalars": pager.scalar_state()}
+        return (
+            "optimizer_switch",
+            dict(pager.tables),
+            {"scalars": pager.scalar_state(), **optimizer_tags(pager.optimizer)},
+        )
     if isinstance(obj, OffloadedOptimizer):
         for pager in obj.pagers:
             pager.follow_hyper()  # state a scheduler turned on has its table
@@ -134,6 +138,30 @@ def _parts(obj: Any) -> tuple[str, dict[str, DataGadget], Any]:
         "save_checkpoint takes ModelSwitch / ModelFactory, OptimizerSwitch / OptimizerFactory, "
         f"OffloadedOptimizer, nn.Module or torch optimizer objects; got {type(obj).__name__}"
     )
+
+
+def _check_switchers_saved(objects: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint of a model whose variables a model switcher pages, without
+    that switcher: the model's state leaves those variables out (they hold only the last
+    batch's rows), so the table would not be saved at all."""
+    from ._model import switch_for
+
+    given = {id(o) for o in objects.values()}
+    for name, obj in objects.items():
+        if not isinstance(obj, nn.Module):
+            continue
+        missing = [
+            pname
+            for pname, p in obj.named_parameters()
+            if (sw := switch_for(p)) is not None and id(sw) not in given
+        ]
+        if missing:
+            raise GadgetValueError(
+                f"checkpoint object {name!r} has variables paged by model switchers that are "
+                f"not in the checkpoint ({missing}); their tables hold the rows, so pass the "
+                "switchers (and their optimizer switchers) too, e.g. "
+                "{'model': model, 'emb': switcher, 'emb_opt': opt_switcher, 'opt': optimizer}"
+            )
 
 
 def _paged_names(model: nn.Module) -> set[str]:
@@ -189,6 +217,7 @@ def save_checkpoint(
     """
     _check_objects(objects, "save_checkpoint")
     ext = _extension(format)
+    _check_switchers_saved(objects)
     parts = {name: _parts(obj) for name, obj in objects.items()}
     if format == "npy":
         bf16 = [
@@ -308,6 +337,8 @@ def _pager_for(obj: Any, tname: str) -> tuple[Any, str] | None:
         index, _, key = tname.partition(".")
         if index.isdigit() and int(index) < len(obj.pagers) and key:
             return obj.pagers[int(index)], key
+    if isinstance(obj, OptimizerSwitch) and tname:
+        return obj._need_pager(), tname
     return None
 
 
@@ -506,10 +537,14 @@ def load_checkpoint(
         found = {
             t: _pager_for(obj, t)
             for t in set(entry["tables"]) - set(tables)
-            if kind == "offloaded_optimizer"
+            if kind in ("offloaded_optimizer", "optimizer_switch")
         }
         inner = entry["meta"].get("inner") if isinstance(entry["meta"], Mapping) else None
         saved_groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
+        if kind == "optimizer_switch" and found:
+            # the torch optimizer is an object of its own (its saved options load with it):
+            # a state table is allowed if its options, with any that are off turned on, keep it
+            saved_groups = obj._need_pager().optimizer.state_dict()["param_groups"]
         extra = {
             t: v
             for t, v in found.items()
@@ -541,6 +576,8 @@ def load_checkpoint(
         elif kind == "optimizer":
             check_optimizer_kind(meta, obj, f"checkpoint object {name!r}")
             _check_optimizer(name, obj, meta["state_dict"])
+        elif kind == "optimizer_switch" and isinstance(meta, Mapping):
+            check_optimizer_kind(meta, obj._need_pager().optimizer, f"checkpoint object {name!r}")
         elif kind == "offloaded_optimizer":
             check_optimizer_kind(meta, obj.inner, f"checkpoint object {name!r}")
             _check_optimizer(name, obj.inner, meta["inner"])

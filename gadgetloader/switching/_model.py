@@ -91,6 +91,13 @@ class ModelSwitch:
 
     Notes
     -----
+    An ``nn.Embedding`` / ``nn.EmbeddingBag`` given with ``padding_idx`` (as a module, not
+    its ``weight``) has it taken as a global id of the table: before each forward the
+    module's ``padding_idx`` is set to that id's local row (``None`` when the batch lacks
+    it), so that row gets no gradient, as in a full-table ``nn.Embedding(padding_idx=...)``
+    (needs ``duplicates='merge'``). The table's row for it holds what the initialiser
+    wrote: zero it (``insertData``) if it should be zeros.
+
     The variable keeps a fixed shape for a fixed batch size: its own number of rows,
     or one per id position if that is more (see :meth:`capacity_for`); rows past the
     batch's distinct ids are zero padding that no local id addresses and that is never
@@ -132,6 +139,16 @@ class ModelSwitch:
             )
         self.total_classes = int(total_classes)
         self.embed_dimension = int(embed_dimension)
+        # an nn.Embedding's padding_idx names a global row of the table (see the Notes)
+        pad = getattr(model_variable, "padding_idx", None)
+        if pad is not None and not isinstance(model_variable, torch.nn.Module):
+            pad = None
+        if pad is not None and not 0 <= int(pad) < self.total_classes:
+            raise GadgetValueError(
+                f"the model variable's padding_idx={pad} is not a row of the table "
+                f"(total_classes={self.total_classes}): it names a global id here"
+            )
+        self._padding_id: int | None = None if pad is None else int(pad)
         self._duplicates = duplicates
         self._transformed = False
         self.table = DataGadget(
@@ -260,6 +277,12 @@ class ModelSwitch:
             on the variable's device; a pair when negatives are given.
         """
         self._cache.clear()  # a step starts from the ids as they are now
+        if self._padding_id is not None and self.duplicates != "merge":
+            raise GadgetValueError(
+                f"the model variable has padding_idx={self._padding_id}, which needs "
+                "duplicates='merge' (one local row per distinct id); with 'separate' (SpeedTorch's "
+                "dummy inputs) a padding id may take several rows"
+            )
         plan = self.plan(retrievedPosIndexes, retrievedNegIndexes)
         store = self.table.store
         dev = self.device
@@ -279,6 +302,10 @@ class ModelSwitch:
             rows[n:].zero_()  # padding rows: no id maps to them, their gradient is zero
         _set_rows(self.param, rows)
         self.param.grad = None
+        if self._padding_id is not None:
+            # the padding id's local row (None when this batch lacks it) gets no gradient
+            hit = (plan.ids[:n] == self._padding_id).nonzero().flatten().tolist()
+            self.model_variable.padding_idx = hit[0] if hit else None
         self._loaded = plan
         local = split_local(plan)
         return local[0] if len(local) == 1 else (local[0], local[1])
