@@ -688,11 +688,13 @@ class DataGadget:
         lookup read back over the change."""
         owner = self.__dict__.get("_owner")
         module = owner() if owner is not None else None
-        if module is not None and getattr(module, "_pending", None) and module._blocks_load():
+        if module is not None and getattr(module, "_pending", None):
+            # (no lookup is retired here: a refused or failed write changes nothing)
             raise GadgetValueError(
-                f"{what} is refused while a lookup of its OffloadedEmbedding with a "
-                "gradient waits for step(): the step would write the rows it read over the "
-                "change; change the rows before the forward or after step() (or zero_grad())"
+                f"{what} is refused while a training lookup of its OffloadedEmbedding waits "
+                "for backward() and step(): the step would write the rows that lookup read "
+                "over the change; change the rows after step() (evaluation forwards under "
+                "torch.no_grad() leave nothing waiting)"
             )
 
     def zero_(self) -> DataGadget:
@@ -870,6 +872,18 @@ class DataGadget:
             None,
             self._file_options if self.placement == "file" else {},
         )
+        owner = self.__dict__.get("_owner")
+        if (
+            owner is not None
+            and owner() is not None
+            and (tuple(new.shape) != self.shape or new.dtype != self.dtype)
+        ):
+            got = f"{tuple(new.shape)} {dtype_name(new.dtype)}"
+            new.close()
+            raise GadgetValueError(
+                f"{os.fspath(path)} holds {got}; this table belongs to an OffloadedEmbedding "
+                f"and must keep its {self.shape} {dtype_name(self.dtype)} (nothing was changed)"
+            )
         old, self._store = self._store, new
         old.close()
 

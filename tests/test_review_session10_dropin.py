@@ -1768,7 +1768,7 @@ def test_changing_rows_while_a_lookup_waits_is_refused(how, tmp_path):
         "fill_": lambda: emb.weight.fill_(0.0),
         "init_": lambda: emb.weight.init_(nn.init.zeros_),
     }[how]
-    with pytest.raises(gl.GadgetValueError, match="waits for step"):
+    with pytest.raises(gl.GadgetValueError, match="waits for backward"):
         change()
     assert torch.equal(table(emb), before)
     opt.step()

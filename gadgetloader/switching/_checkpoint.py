@@ -43,6 +43,7 @@ from ._optim import (
     OptimizerSwitch,
     check_optimizer_kind,
     keep_saved_scalar_dtypes,
+    optimizer_kind,
     optimizer_tags,
 )
 
@@ -342,16 +343,17 @@ def _pager_for(obj: Any, tname: str) -> tuple[Any, str] | None:
     return None
 
 
-def _check_shape(shape: tuple[int, ...], path: str, fmt: str) -> None:
-    """Refuse a state-table file that is missing, unreadable or of another shape."""
+def _check_shape(shape: tuple[int, ...], path: str, fmt: str, dtype: torch.dtype) -> None:
+    """Refuse a state-table file that is missing, unreadable or of another shape or dtype."""
     src = _io.open_source(path, format=fmt)
     try:
-        got, dtype = tuple(src.shape), src.dtype
+        got, got_dtype = tuple(src.shape), src.dtype
     finally:
         src.close()
-    if got != shape or not dtype.is_floating_point:
+    if got != shape or got_dtype != dtype:
         raise GadgetValueError(
-            f"{path} holds a {got} {dtype_name(dtype)} table; expected a {shape} floating-point one"
+            f"{path} holds a {got} {dtype_name(got_dtype)} table; expected a {shape} "
+            f"{dtype_name(dtype)} one (the dtype of this optimizer's other state tables)"
         )
 
 
@@ -577,7 +579,22 @@ def load_checkpoint(
             check_optimizer_kind(meta, obj, f"checkpoint object {name!r}")
             _check_optimizer(name, obj, meta["state_dict"])
         elif kind == "optimizer_switch" and isinstance(meta, Mapping):
-            check_optimizer_kind(meta, obj._need_pager().optimizer, f"checkpoint object {name!r}")
+            pager = obj._need_pager()
+            check_optimizer_kind(meta, pager.optimizer, f"checkpoint object {name!r}")
+            saved_scalars = meta.get("scalars")
+            if (
+                meta.get("optimizer") is None
+                and isinstance(saved_scalars, Mapping)
+                and saved_scalars
+            ):
+                # written before the class was recorded: its scalar state must be this one's
+                keeps = set(pager.layout.init_scalars)
+                if set(saved_scalars) != keeps:
+                    raise GadgetValueError(
+                        f"checkpoint object {name!r}: the saved optimizer state has scalars "
+                        f"{sorted(saved_scalars)}; this {optimizer_kind(pager.optimizer)} keeps "
+                        f"{sorted(keeps)} (state of another optimizer class?)"
+                    )
         elif kind == "offloaded_optimizer":
             check_optimizer_kind(meta, obj.inner, f"checkpoint object {name!r}")
             _check_optimizer(name, obj.inner, meta["inner"])
@@ -587,7 +604,9 @@ def load_checkpoint(
         for tname, path in files.items():
             if tname in extra:
                 pager, key = extra[tname]
-                _check_shape(pager.table_shape(), path, fmt)
+                first = next(iter(pager.tables.values()), None)
+                dtype = first.dtype if first is not None else pager.param.dtype
+                _check_shape(pager.table_shape(), path, fmt, dtype)
             else:
                 _check_table(tables[tname], path, fmt)
         plan.append((obj, kind, tables, meta, files, extra))

@@ -140,14 +140,19 @@ class ModelSwitch:
         self.total_classes = int(total_classes)
         self.embed_dimension = int(embed_dimension)
         # an nn.Embedding's padding_idx names a global row of the table (see the Notes)
-        pad = getattr(model_variable, "padding_idx", None)
-        if pad is not None and not isinstance(model_variable, torch.nn.Module):
-            pad = None
+        pad = None
+        if isinstance(model_variable, torch.nn.Module):
+            # the global id, kept on the module: padding_idx itself is rewritten every step
+            pad = getattr(model_variable, "_gadget_padding_id", None)
+            if pad is None:
+                pad = getattr(model_variable, "padding_idx", None)
         if pad is not None and not 0 <= int(pad) < self.total_classes:
             raise GadgetValueError(
                 f"the model variable's padding_idx={pad} is not a row of the table "
                 f"(total_classes={self.total_classes}): it names a global id here"
             )
+        if pad is not None:
+            setattr(model_variable, "_gadget_padding_id", int(pad))  # noqa: B010
         self._padding_id: int | None = None if pad is None else int(pad)
         self._duplicates = duplicates
         self._transformed = False
