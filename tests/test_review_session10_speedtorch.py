@@ -697,7 +697,7 @@ def test_save_torch_load_torch_model_and_optimizer(tmp_path):
     assert set(want_s) == {"square_avg", "momentum_buffer", "grad_avg"}
     u_sw.saveTorch(tmp_path / "u.pt")
     u_opt.saveTorch(tmp_path / "uopt.pt")
-    saved = torch.load(tmp_path / "uopt.pt")
+    saved = torch.load(tmp_path / "uopt.pt", weights_only=True)
     assert isinstance(saved, dict) and set(saved) == set(want_s)
     # SpeedTorch's layout: a list of tensors in state order
     torch.save([saved[k] for k in u_opt.tables], tmp_path / "uopt_list.pt")
