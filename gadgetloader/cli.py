@@ -85,19 +85,22 @@ def _write_json(path: str | None, data: Any, command: str) -> int:
     return 0
 
 
-def _check_json_target(parser: argparse.ArgumentParser, path: str | None) -> None:
-    """Refuse a --json path that cannot be written before running anything."""
+def _check_json_target(
+    parser: argparse.ArgumentParser, path: str | None, option: str = "--json"
+) -> None:
+    """Refuse an output path (``--json``, ``--plot``, ``--profile``) that cannot be written,
+    before running anything."""
     if not path:
         return
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        parser.error(f"--json {path}: is a directory")
+        parser.error(f"{option} {path}: is a directory")
     if not os.path.isdir(folder):
-        parser.error(f"--json {path}: no such directory {folder}")
+        parser.error(f"{option} {path}: no such directory {folder}")
     if not os.access(folder, os.W_OK):
-        parser.error(f"--json {path}: {folder} is not writable")
+        parser.error(f"{option} {path}: {folder} is not writable")
     if os.path.exists(path) and not os.access(path, os.W_OK):
-        parser.error(f"--json {path}: the file is not writable")
+        parser.error(f"{option} {path}: the file is not writable")
 
 
 def _check_bench_order(parser: argparse.ArgumentParser, argv: Sequence[str], suite: str) -> None:
@@ -141,6 +144,11 @@ def _main(argv: Sequence[str] | None) -> int:
         _check_bench_order(parser, words, args.suite)
     if args.command in ("bench", "info"):
         _check_json_target(parser, getattr(args, "json", None))
+        for option in ("plot", "profile"):
+            _check_json_target(parser, getattr(args, option, None), f"--{option}")
+        folder = getattr(args, "dir", None)
+        if folder is not None and os.path.exists(folder) and not os.path.isdir(folder):
+            parser.error(f"--dir {folder}: is not a directory")
     if args.command == "info":
         from .info import collect_info, format_info
 

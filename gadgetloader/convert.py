@@ -207,6 +207,12 @@ def run(args: argparse.Namespace) -> int:
         # the library's messages name keyword arguments; on the command line they are flags
         msg = str(exc).replace("pass dataset= to", "pass --dataset to")
         msg = msg.replace("or pass format=...", "or pass --format (source) / --to (destination)")
+        msg = msg.replace("chunk_rows must", "--chunk-rows must")
+        msg = msg.replace("unexpected option(s) ['chunk_rows']", "unexpected option --chunk-rows")
+        msg = msg.replace("unexpected option(s) ['compression']", "unexpected option --compression")
+        msg = msg.replace(" compression '", " compression (--compression) '")
+        if msg.startswith("Unknown format"):
+            msg = f"{msg} (--format names the source's format, --to the destination's)"
         print(f"gadgetloader convert: error: {msg}", file=sys.stderr)
         return 1
     except OSError as exc:  # the file system's refusal (a path through a file, no space...)

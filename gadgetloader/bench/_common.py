@@ -17,6 +17,8 @@ __all__ = [
     "measure_memcpy",
     "non_negative_int",
     "positive_float",
+    "non_negative_finite_float",
+    "positive_finite_float",
     "positive_int",
     "time_fn",
 ]
@@ -58,6 +60,40 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a number above 0, got {text}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """An argparse type: a finite number (no inf or nan)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
+    return value
+
+
+def positive_finite_float(text: str) -> float:
+    """An argparse type: a finite number above 0."""
+    import argparse
+
+    value = finite_float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text}")
+    return value
+
+
+def non_negative_finite_float(text: str) -> float:
+    """An argparse type: a finite number of at least 0."""
+    import argparse
+
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 0, got {text}")
     return value
 
 

@@ -268,6 +268,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda") if cuda_available() else torch.device("cpu")
     if args.dir is not None and not os.path.isdir(args.dir):
         raise GadgetFileNotFoundError(f"--dir {args.dir}: no such directory")
+    if args.compression is not None and "zarr" in formats:  # before any file is written
+        from ..io._chunks import check_compression
+        from ..io._zarr import _COMPRESSIONS as _ZARR_COMPRESSIONS
+
+        check_compression(args.compression, _ZARR_COMPRESSIONS, "zarr", "--compression")
     root = Path(tempfile.mkdtemp(prefix="gadgetloader-bench-", dir=args.dir))
     report: dict[str, Any] = {
         "config": {

@@ -87,7 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="memory,file",
         help="where gadgetloader reads: memory (pinned / cpu) and/or file (default both)",
     )
-    p.add_argument("--prefetch", type=positive_int, default=2, help="GadgetLoader prefetch depth")
+    p.add_argument(
+        "--prefetch",
+        type=non_negative_int,
+        default=2,
+        help="GadgetLoader prefetch depth (0: gather each batch when it is asked for)",
+    )
     p.add_argument(
         "--coalesce",
         type=positive_int,

@@ -82,7 +82,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from .. import DataGadget
     from ._common import measure_memcpy
 
-    dtype = as_torch_dtype(args.dtype)
+    try:
+        dtype = as_torch_dtype(args.dtype)
+    except Exception:
+        from .._errors import GadgetValueError
+
+        raise GadgetValueError(
+            f"--dtype {args.dtype!r}: expected a table dtype (float16, bfloat16, float32, "
+            "float64, int8, int16, int32, int64, uint8, bool)"
+        ) from None
     cuda = torch.cuda.is_available()
     gen = torch.Generator().manual_seed(args.seed)
     host = _random_table(args.rows, args.width, dtype, gen)

@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-from ._common import comma_list, format_table, gbps, measure_memcpy, positive_int, time_fn
+from ._common import (
+    comma_list,
+    format_table,
+    gbps,
+    measure_memcpy,
+    non_negative_int,
+    positive_int,
+    time_fn,
+)
 
 __all__ = ["add_arguments", "run"]
 
@@ -42,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive_int, default=10)
     p.add_argument(
         "--naive-max-ids",
-        type=int,
+        type=non_negative_int,
         default=131072,
         help="skip naive torch above this many ids (slow)",
     )
@@ -97,6 +105,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ..transfer import _engine
 
     sizes, widths, id_counts, methods, fractions = _options(args)
+    from ..stores._pinned import PAGE_KINDS
+
+    comma_list(str(args.pages), PAGE_KINDS, "--pages")
     if not torch.cuda.is_available():
         print("sweep: skipped -- it measures host<->GPU transfers and needs a CUDA device")
         if getattr(args, "plot", None):
@@ -109,7 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     link_cache: dict[int, dict[str, float]] = {}
     gen = torch.Generator(device="cpu").manual_seed(0)
-    for pages in args.pages.split(","):
+    for pages in comma_list(str(args.pages), PAGE_KINDS, "--pages"):
         max_bytes = int(max(sizes) * 1e9)
         try:
             store = PinnedStore((max_bytes // 4,), torch.float32, dev, pages=pages)
@@ -180,7 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 dev,
                             )
                             for kind, fn in (("gather", g_fn), ("scatter", s_fn)):
-                                entry = {**base, "method": name, "kind": kind}
+                                entry: dict[str, Any] = {**base, "method": name, "kind": kind}
                                 try:
                                     if kind == "gather":
                                         out.zero_()

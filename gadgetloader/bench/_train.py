@@ -41,7 +41,15 @@ from torch import nn
 
 from .._device import cuda_available
 from .._errors import FallbackWarning, GadgetValueError
-from ._common import comma_list, format_table, measure_memcpy, non_negative_int, positive_int
+from ._common import (
+    comma_list,
+    format_table,
+    measure_memcpy,
+    non_negative_finite_float,
+    non_negative_int,
+    positive_finite_float,
+    positive_int,
+)
 
 __all__ = ["METHODS", "add_arguments", "format_report", "run"]
 
@@ -77,9 +85,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--repeats", type=positive_int, default=3, help="timed repeats; the median is reported"
     )
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=positive_finite_float, default=1e-3)
     p.add_argument(
-        "--zipf", type=float, default=1.0, help="word frequency exponent (0: uniform ids)"
+        "--zipf",
+        type=non_negative_finite_float,
+        default=1.0,
+        help="word frequency exponent (0: uniform ids)",
     )
     p.add_argument(
         "--placement", default="pinned", help="where offloaded tables live (default pinned)"
