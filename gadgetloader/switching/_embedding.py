@@ -721,6 +721,10 @@ class OffloadedEmbeddingBag(_OffloadedTable):
         if per_sample_weights is not None:
             # weights in a converted module's dtype (.double()) are taken in the table's
             per_sample_weights = per_sample_weights.to(local.device, rows.dtype)
+            if per_sample_weights.requires_grad and not rows.requires_grad:
+                # torch < 2.5 fails an internal assert in embedding_bag's backward when only
+                # the weights need a gradient: give the (constant) rows one to drop
+                rows = rows.detach().requires_grad_()
         return self._deliver(
             F.embedding_bag(
                 local,
