@@ -1483,8 +1483,8 @@ def test_datagadget_speedtorch_names(tmp_path):
     g = gl.DataGadget(str(tmp_path / "t.npy"), placement="cpu")
     assert g.gadgetInit() is g
     ids = [3, 3, 0, N - 1]
-    np.testing.assert_array_equal(np.asarray(g.getData(ids)), arr[ids])
-    np.testing.assert_array_equal(np.asarray(g.getData(np.array(ids, np.int32))), arr[ids])
+    np.testing.assert_array_equal(g.getData(ids).cpu().numpy(), arr[ids])
+    np.testing.assert_array_equal(g.getData(np.array(ids, np.int32)).cpu().numpy(), arr[ids])
     rows = torch.tensor([[1.0] * 4, [2.0] * 4, [3.0] * 4, [4.0] * 4])
     g.insertData(rows, torch.tensor(ids))
     got = g.getNumpyVersion()
