@@ -147,18 +147,34 @@ class Store(abc.ABC):
         return rows.to(device)
 
     def scatter(
-        self, ids: torch.Tensor, rows: torch.Tensor, strategy: str = "auto", *, unique: bool = False
+        self,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        strategy: str = "auto",
+        *,
+        unique: bool = False,
+        ids_sorted: bool = False,
     ) -> None:
         """``table[ids] = rows``; a repeated id takes its *last* occurrence's row.
 
         ``unique=True`` promises distinct ids, which lets the GPU path skip the sort
-        that merges repeats (results with repeated ids are then undefined).
+        that merges repeats (results with repeated ids are then undefined);
+        ``ids_sorted=True`` with it promises they ascend too (a row plan's), for the
+        GPU kernel's launch shape (any order gives the same result).
         """
         self.check_writable()
         dv = self.device_view()
         hv = self.host_view()
         if dv is not None and (rows.is_cuda or hv is None):
-            _engine.scatter(dv, ids, rows.to(dv.device), strategy=strategy, host=hv, unique=unique)
+            _engine.scatter(
+                dv,
+                ids,
+                rows.to(dv.device),
+                strategy=strategy,
+                host=hv,
+                unique=unique,
+                ids_sorted=ids_sorted,
+            )
             return
         if hv is None:
             self._closed_meanwhile()

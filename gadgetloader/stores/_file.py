@@ -768,9 +768,17 @@ class FileStore(Store):
             return self._gather(ids, device, out, strategy)
 
     def scatter(
-        self, ids: torch.Tensor, rows: torch.Tensor, strategy: str = "auto", *, unique: bool = False
+        self,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        strategy: str = "auto",
+        *,
+        unique: bool = False,
+        ids_sorted: bool = False,
     ) -> None:
-        """``table[ids] = rows`` written through to the file; a repeated id takes its last row."""
+        """``table[ids] = rows`` written through to the file; a repeated id takes its last row.
+
+        ``ids_sorted`` (a launch-shape hint for in-memory stores) does not apply here."""
         self.check_writable()
         with self._guard():
             self._scatter(ids, rows, strategy, unique=unique)

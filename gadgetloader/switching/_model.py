@@ -382,7 +382,12 @@ class ModelSwitch:
             # the optimizer has stepped this plan's state: rows and state go back together
             pager.store_back(plan, with_table=(store, rows))
             return
-        store.scatter(plan.ids.to(store.ids_device(rows.device)), rows, unique=plan.distinct)
+        store.scatter(
+            plan.ids.to(store.ids_device(rows.device)),
+            rows,
+            unique=plan.distinct,
+            ids_sorted=plan.distinct,  # a distinct plan's ids ascend
+        )
 
     # ---- whole table -------------------------------------------------------------
     def getNumpyVersion(self) -> Any:

@@ -447,6 +447,7 @@ def scatter(
     host: torch.Tensor | None = None,
     *,
     unique: bool = False,
+    ids_sorted: bool = False,
 ) -> None:
     """``table[ids] = rows`` in place; for a repeated id the *last* occurrence wins.
 
@@ -454,9 +455,11 @@ def scatter(
     The ids are sorted (stably) on the GPU and the kernel writes only the last entry of
     each run of equal ids, so the result is deterministic and the writes walk the
     table in address order. ``unique=True`` promises distinct ids (the switchers' row
-    plans): the sort is skipped and every entry is written in the order given.
+    plans): the sort is skipped and every entry is written in the order given;
+    ``ids_sorted=True`` with it says they also ascend (a row plan's do), which gives
+    sparse requests the launch shape of :func:`_kernels.ordered_shape`.
     """
-    scatter_many([table], ids, [rows], strategy, [host], unique=unique)
+    scatter_many([table], ids, [rows], strategy, [host], unique=unique, ids_sorted=ids_sorted)
 
 
 def scatter_many(
@@ -468,11 +471,13 @@ def scatter_many(
     *,
     unique: bool = False,
     count: torch.Tensor | None = None,
+    ids_sorted: bool = False,
 ) -> None:
     """Scatter the same ids into several tables at once (one fused launch per four
     tables up to :data:`FUSE_MAX_BYTES` together, else one per table); ``rows[k]`` goes
-    to ``tables[k]``. Rules as :func:`scatter`. ``count`` (with ``unique=True``): only
-    the first ``count`` ids and rows are written (see :func:`gather_many`)."""
+    to ``tables[k]``. Rules as :func:`scatter`. ``count`` (with ``unique=True``, whose ids
+    a row plan gives in ascending order): only the first ``count`` ids and rows are
+    written (see :func:`gather_many`)."""
     tables = _as_list(tables)
     rows = _as_list(rows)
     hosts = [None] * len(tables) if hosts is None else _as_list(hosts)
@@ -504,6 +509,7 @@ def scatter_many(
         k = _count_value(count, n)
         scatter_many(tables, flat[:k], [r[:k] for r in srcs], how, hosts, unique=True)
         return
+    ascending = ids_sorted or not unique  # sorted here unless the ids are promised distinct
     if unique:
         sorted_ids, pos, mode = flat, None, _kernels.SCATTER_ALL
     else:
@@ -520,10 +526,10 @@ def scatter_many(
             if how == "torch" or host is None:
                 table.index_copy_(0, sel_ids, picked)
             else:
-                _hybrid_scatter(table, host, sel_ids, picked, ordered=not unique)
+                _hybrid_scatter(table, host, sel_ids, picked, ordered=ascending)
         return
     for g in _groups(tables):
-        _kernels.launch_scatter(tables[g], sorted_ids, srcs[g], pos, mode, ordered=not unique)
+        _kernels.launch_scatter(tables[g], sorted_ids, srcs[g], pos, mode, ordered=ascending)
 
 
 def _count_value(count: torch.Tensor, n: int) -> int:
