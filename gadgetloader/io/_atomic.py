@@ -29,11 +29,12 @@ def resolved_target(target: str | os.PathLike[str]) -> Path:
     return Path(os.path.realpath(t)) if t.is_symlink() else t
 
 
-def temp_path_beside(target: str | os.PathLike[str]) -> Path:
-    """A fresh hidden path in the target's directory (same file system, so rename is atomic).
-    A symbolic link's target is the one written (see :func:`replace_atomically`)."""
+def temp_path_beside(target: str | os.PathLike[str], tag: str = "partial") -> Path:
+    """A fresh hidden path ``.NAME.TAG-PID-XXXXXXXX`` in the target's directory (same file
+    system, so rename is atomic). A symbolic link's target is the one written (see
+    :func:`replace_atomically`)."""
     t = resolved_target(target)
-    return t.with_name(f".{t.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return t.with_name(f".{t.name}.{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def _keep_attributes(old: Path, new: Path) -> None:
@@ -73,16 +74,24 @@ def remove_path(path: str | os.PathLike[str]) -> None:
 
 def replace_atomically(tmp: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
     """Move ``tmp`` onto ``target``. A file is replaced in one ``rename``; a directory
-    (zarr) is renamed aside first, so at every instant either the old or the new one
-    is complete at ``target``'s path or at the aside path. The new file keeps the old
+    (zarr) is renamed aside first (to ``.NAME.old-PID-XXXXXXXX``), so at every instant
+    either the old or the new one is complete at ``target``'s path or at the aside path;
+    if the new one cannot take the path, the old one is moved back. The new file keeps the old
     one's permission bits (and owner, where allowed); a symbolic link stays a link and
     the file it names is replaced. Other hard links to the old file keep the old data."""
     tmp_p, target_p = Path(tmp), resolved_target(target)
     _keep_attributes(target_p, tmp_p)
     if tmp_p.is_dir() and target_p.exists():
-        aside = temp_path_beside(target_p)
+        aside = temp_path_beside(target_p, tag="old")
         os.replace(target_p, aside)
-        os.replace(tmp_p, target_p)
+        try:
+            os.replace(tmp_p, target_p)
+        except BaseException:
+            # the new store could not take the path: put the old one back (where something
+            # else took the path meanwhile, the old store stays at ``aside``, complete)
+            with contextlib.suppress(OSError):
+                os.replace(aside, target_p)
+            raise
         remove_path(aside)
     else:
         os.replace(tmp_p, target_p)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
+import tokenize
 import weakref
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -49,8 +51,21 @@ def _read_header(f: BinaryIO, path: str) -> tuple[tuple[int, ...], np.dtype, boo
             shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
         else:
             raise ValueError(f"unsupported .npy version {version}")
-    except ValueError as exc:
+    except (
+        ValueError,
+        SyntaxError,
+        TypeError,
+        OverflowError,
+        EOFError,
+        tokenize.TokenError,
+    ) as exc:
+        # NumPy parses the header as a Python literal: a damaged one fails in any of these
         raise GadgetFileError(f"{path}: not a readable .npy file ({exc})") from exc
+    if not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise GadgetFileError(
+            f"{path}: not a readable .npy file (its header gives the shape {shape}; "
+            "expected non-negative whole numbers)"
+        )
     return tuple(shape), dtype, fortran, f.tell()
 
 
@@ -208,10 +223,14 @@ class NpySink(ArraySink):
             "shape": self.shape,
         }
         try:
-            np.lib.format.write_array_header_1_0(self._f, header)
-        except ValueError:
-            np.lib.format.write_array_header_2_0(self._f, header)
-        self._offset = self._f.tell()
+            try:
+                np.lib.format.write_array_header_1_0(self._f, header)
+            except ValueError:
+                np.lib.format.write_array_header_2_0(self._f, header)
+            self._offset = self._f.tell()
+        except BaseException:
+            self.abort()  # no hidden partial file after a failed or interrupted header
+            raise
         self._row_nbytes = math.prod(self.shape[1:]) * self._npd.itemsize
 
     def write(self, start: int, rows: np.ndarray) -> None:
@@ -230,10 +249,15 @@ class NpySink(ArraySink):
         replace_atomically(self._tmp, self.path)
 
     def abort(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-        remove_path(self._tmp)
+        f, self._f = self._f, None
+        try:
+            if f is not None:
+                # closing flushes what is buffered, which fails again on a full disk: the
+                # partial file is removed whatever the close says
+                with contextlib.suppress(OSError):
+                    f.close()
+        finally:
+            remove_path(self._tmp)
 
 
 def describe(path: str) -> str:

@@ -186,24 +186,30 @@ class ZarrSource(ArraySource):
         self._mode = mode
         node = self._open_node(zarr, "")
         if isinstance(node, zarr.Group):
-            arrays = sorted(
-                name
-                for name, member in node.members(max_depth=None)
-                if isinstance(member, zarr.Array)
-            )
-            if dataset is None:
-                if len(arrays) != 1:
-                    what = "no arrays" if not arrays else f"{len(arrays)} arrays: {arrays}"
+            arr = None
+            if dataset is not None and dataset.strip("/"):
+                # the array asked for is opened by itself: damage elsewhere in the group
+                # (another array's metadata) does not stop it
+                dataset = dataset.strip("/")
+                with contextlib.suppress(Exception):
+                    found = node[dataset]
+                    if isinstance(found, zarr.Array):
+                        arr = found
+            if arr is None:
+                arrays = self._group_arrays(zarr, node)
+                if dataset is None:
+                    if len(arrays) != 1:
+                        what = "no arrays" if not arrays else f"{len(arrays)} arrays: {arrays}"
+                        raise GadgetKeyError(
+                            f"{self.path} is a zarr group holding {what}; pass dataset= to choose one"
+                        )
+                    dataset = arrays[0]
+                dataset = dataset.strip("/")
+                if dataset not in arrays:
                     raise GadgetKeyError(
-                        f"{self.path} is a zarr group holding {what}; pass dataset= to choose one"
+                        f"{self.path} has no zarr array {dataset!r}; arrays in the store: {arrays}"
                     )
-                dataset = arrays[0]
-            dataset = dataset.strip("/")
-            if dataset not in arrays:
-                raise GadgetKeyError(
-                    f"{self.path} has no zarr array {dataset!r}; arrays in the store: {arrays}"
-                )
-            arr = node[dataset]
+                arr = node[dataset]
         else:
             if dataset not in (None, "", "/"):
                 raise GadgetKeyError(
@@ -236,6 +242,20 @@ class ZarrSource(ArraySource):
         self._decoders: list[Any] | None = self._plan_direct(arr)
         fill = arr.fill_value
         self._fill = 0 if fill is None else fill
+
+    def _group_arrays(self, zarr: ModuleType, group: Any) -> list[str]:
+        """The names of every array under ``group``, or a clear error naming the store."""
+        try:
+            return sorted(
+                name
+                for name, member in group.members(max_depth=None)
+                if isinstance(member, zarr.Array)
+            )
+        except Exception as exc:
+            raise GadgetFileError(
+                f"cannot list the arrays of zarr group {self.path} (is a member's metadata "
+                f"damaged?): {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _open_node(self, zarr: ModuleType, path: str) -> Any:
         from zarr.storage import LocalStore
