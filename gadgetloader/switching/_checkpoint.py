@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import io
 import os
 import re
 import shutil
@@ -262,19 +263,21 @@ def save_checkpoint(
         raise GadgetFileError(
             f"save_checkpoint: cannot create the checkpoint directory {d} ({exc})"
         ) from exc
+    metas = {name: _encode_numpy(meta) for name, (_, _, meta) in parts.items()}
+    _check_loadable(metas)  # before any table is written
     previous = _listed_files(d)
     entries: dict[str, Any] = {}
     tmp = os.path.join(d, _META + ".tmp")
     written: list[str] = []
     try:
-        for name, (kind, tables, meta) in parts.items():
+        for name, (kind, tables, _) in parts.items():
             files = {}
             for tname, table in tables.items():
                 fname = names[(name, tname)]
                 written.append(fname)  # before the save: whatever it leaves goes on failure
                 table.save(os.path.join(d, fname), format=format, progress=progress)
                 files[tname] = fname
-            entries[name] = {"kind": kind, "tables": files, "meta": meta}
+            entries[name] = {"kind": kind, "tables": files, "meta": metas[name]}
         torch.save({"version": _VERSION, "format": format, "objects": entries}, tmp)
         os.replace(tmp, os.path.join(d, _META))
     except BaseException:
@@ -307,6 +310,57 @@ def save_checkpoint(
         stale = {f for f in os.listdir(d) if ours.match(f)}
     for fname in (previous | stale) - current:
         _remove(os.path.join(d, fname))
+
+
+#: how a NumPy number in an object's meta (an optimizer's ``lr=np.float32(...)``) is kept:
+#: ``torch.load(weights_only=True)`` refuses NumPy scalars, and a Python float in its place
+#: would change float32 arithmetic after a resume
+_NUMPY_TAG = "__gadgetloader_numpy_scalar__"
+
+
+def _encode_numpy(obj: Any) -> Any:
+    """``obj`` with every NumPy number or bool replaced by a tagged (dtype, value) dict."""
+    if isinstance(obj, (np.number, np.bool_)):
+        return {_NUMPY_TAG: obj.dtype.str, "value": obj.item()}
+    if isinstance(obj, dict):
+        return {k: _encode_numpy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_encode_numpy(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_encode_numpy(v) for v in obj)
+    return obj
+
+
+def _decode_numpy(obj: Any) -> Any:
+    """The inverse of :func:`_encode_numpy`."""
+    if isinstance(obj, dict):
+        if set(obj) == {_NUMPY_TAG, "value"}:
+            return np.dtype(obj[_NUMPY_TAG]).type(obj["value"])
+        return {k: _decode_numpy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode_numpy(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_decode_numpy(v) for v in obj)
+    return obj
+
+
+def _check_loadable(metas: dict[str, Any]) -> None:
+    """Refuse, before writing, what ``load_checkpoint``'s weights-only read would refuse."""
+    buf = io.BytesIO()
+    torch.save(metas, buf)
+    buf.seek(0)
+    try:
+        torch.load(buf, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()
+        why = next(
+            (ln for ln in first if "GLOBAL" in ln or "global" in ln), first[0] if first else ""
+        )
+        raise GadgetTypeError(
+            "save_checkpoint: an object's state holds a value that a checkpoint cannot keep "
+            "(it is read back with torch.load(weights_only=True), which takes tensors, Python "
+            f"numbers, strings and containers of them, and NumPy numbers): {why.strip()}"
+        ) from exc
 
 
 def _listed_files(d: str) -> set[str]:
@@ -514,9 +568,11 @@ def load_checkpoint(
     try:
         saved = torch.load(meta_path, map_location="cpu", weights_only=True)
         fmt = saved["format"]
-        saved_objects = saved["objects"]
+        saved_objects = _decode_numpy(saved["objects"])
     except Exception as exc:
-        raise GadgetFileError(f"{meta_path} is not a gadgetloader checkpoint ({exc})") from exc
+        raise GadgetFileError(
+            f"{meta_path} cannot be read as a gadgetloader checkpoint ({exc})"
+        ) from exc
     if not isinstance(saved_objects, Mapping) or not all(isinstance(k, str) for k in saved_objects):
         raise _damaged(
             meta_path, f"'objects' should map names to objects; got {type(saved_objects).__name__}"

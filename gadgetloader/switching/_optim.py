@@ -214,7 +214,12 @@ def probe_state(
     probe = torch.zeros(
         (1, *param.shape[1:]), dtype=param.dtype, device=param.device, requires_grad=True
     )
-    accepted = inspect.signature(cls.__init__).parameters
+    if hyper.get("differentiable"):
+        raise GadgetTypeError(
+            f"{cls.__name__}(differentiable=True) cannot be paged: paged rows are updated in "
+            "place outside autograd; leave differentiable at False"
+        )
+    accepted = _init_options(cls)
     kwargs = {k: v for k, v in hyper.items() if k in accepted}
     defaults = getattr(optimizer, "defaults", {})
     if "initial_accumulator_value" in kwargs and "initial_accumulator_value" in defaults:
@@ -227,8 +232,9 @@ def probe_state(
         raise GadgetTypeError(
             f"could not build a {cls.__name__} like the given one to find its state ({exc})"
         ) from exc
-    for k, v in hyper.items():
-        probe_opt.param_groups[0].setdefault(k, v)
+    # the step reads the group: give it the user's values (a subclass may have rewritten
+    # its arguments, or passed them on through **kwargs)
+    probe_opt.param_groups[0].update(hyper)
     before = {k: _snapshot(v) for k, v in probe_opt.state.get(probe, {}).items()}
     recording: defaultdict[Any, Any] = defaultdict(_RecordingDict)
     rec = recording[probe]
@@ -245,7 +251,13 @@ def probe_state(
         )
     else:
         probe.grad = zero.detach()
-    probe_opt.step()
+    try:
+        probe_opt.step()
+    except Exception as exc:
+        raise GadgetTypeError(
+            f"a {cls.__name__} with these options failed a step on a one-row probe of the "
+            f"table, so its state cannot be paged ({type(exc).__name__}: {exc})"
+        ) from exc
     state = probe_opt.state[probe]
     row_keys: list[str] = []
     init_rows: dict[str, torch.Tensor] = {}
@@ -270,6 +282,24 @@ def probe_state(
     return StateLayout(tuple(row_keys), init_rows, init_scalars, sparse)
 
 
+def _init_options(cls: type) -> set[str]:
+    """The keyword options ``cls(params, ...)`` takes: its ``__init__``'s, and where that
+    passes ``**kwargs`` on, those of the classes above it (a subclass that forwards them
+    to :class:`torch.optim.Adam` takes Adam's)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters
+        names.update(
+            k for k, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        )
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            break
+    return names
+
+
 def _hyper_key(group: dict[str, Any], exact: bool) -> tuple[Any, ...]:
     """A comparable summary of a param group's hyper-parameters: their values (``exact``)
     or only whether each option is on (a number other than 0, a true flag)."""
@@ -277,6 +307,8 @@ def _hyper_key(group: dict[str, Any], exact: bool) -> tuple[Any, ...]:
     def one(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
             v = v.item() if v.numel() == 1 else (v.data_ptr(), tuple(v.shape))
+        if isinstance(v, np.generic):  # a NumPy number or bool: its Python value
+            v = v.item()
         if isinstance(v, (tuple, list)):
             return tuple(one(x) for x in v)
         if isinstance(v, bool) or v is None or isinstance(v, str):

@@ -1,4 +1,4 @@
-"""Which scatters get the launch shape of ascending ids (``ordered=True``).
+"""Session 11 fixes: which scatters get the launch shape of ascending ids, and checkpoint meta.
 
 A row plan's write-back has distinct ascending ids (``unique=True``, ``ids_sorted=True``);
 a caller's distinct ids need not ascend (``unique=True`` alone); ids with repeats are
@@ -85,3 +85,27 @@ def test_model_switcher_write_back_says_its_ids_ascend(monkeypatch: pytest.Monke
     with torch.no_grad():
         ref -= 0.5 * ref.grad
     torch.testing.assert_close(torch.from_numpy(sw.getNumpyVersion()), ref.detach())
+
+
+def test_checkpoint_refuses_state_it_could_not_load_before_writing(tmp_path) -> None:
+    """A param-group value that a weights-only read refuses (here a function) is refused by
+    save_checkpoint before any file is written; NumPy numbers are kept with their type."""
+    import numpy as np
+
+    emb = gl.OffloadedEmbedding(20, 3, placement="cpu", device="cpu")
+    opt = gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=np.float32(0.1))
+    emb(torch.tensor([1, 4])).sum().backward()
+    opt.step()
+    opt.param_groups[0]["note"] = len  # not a tensor, number, string or container
+    d = tmp_path / "ck"
+    with pytest.raises(gl.GadgetTypeError, match="cannot keep"):
+        gl.save_checkpoint(d, {"emb": emb, "opt": opt})
+    assert not d.exists() or not any(d.iterdir())
+    del opt.param_groups[0]["note"]
+    gl.save_checkpoint(d, {"emb": emb, "opt": opt})
+    emb2 = gl.OffloadedEmbedding(20, 3, placement="cpu", device="cpu")
+    opt2 = gl.OffloadedOptimizer(torch.optim.SGD, emb2, lr=np.float32(0.5))
+    gl.load_checkpoint(d, {"emb": emb2, "opt": opt2})
+    lr = opt2.param_groups[0]["lr"]
+    assert type(lr) is np.float32 and lr == np.float32(0.1)
+    assert np.array_equal(emb2.table.getNumpyVersion(), emb.table.getNumpyVersion())
