@@ -253,8 +253,9 @@ def as_ids(
     """Convert ``indexes`` to a checked int64 tensor on ``device`` (default: where it is).
 
     The returned tensor keeps the shape of ``indexes`` (a Python int gives a 0-d tensor).
-    ``check=False`` skips the range check of CUDA ids (it costs one stream
-    synchronisation); the kernels still never touch memory outside a table.
+    ``check=False`` skips the range check of CUDA ids kept on the GPU (it costs one stream
+    synchronisation); the kernels still never touch memory outside a table. Ids that end
+    on the CPU (``device`` is the CPU) are always checked.
 
     Raises
     ------
@@ -287,6 +288,10 @@ def as_ids(
         raise GadgetTypeError(f"ids are on {t.device} but this table is used from {device}")
     if t.dtype != torch.int64:
         t = t.to(torch.int64)
+    if device is not None and t.is_cuda and device.type == "cpu":
+        # a host table's ids come to the CPU anyway (the copy synchronises): then they are
+        # CPU ids, checked for free, since no kernel guards a host table's torch indexing
+        t = t.to(device)
     if check or not t.is_cuda:  # CPU ids are checked always: it costs no GPU synchronisation
         check_range(t, num_rows)
     if device is not None and t.device != device:

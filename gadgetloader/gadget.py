@@ -249,6 +249,17 @@ class DataGadget:
                 and dtype is not None
             ):
                 fileName = _unsigned_to(fileName, as_torch_dtype(dtype))
+            if isinstance(fileName, (bool, int, float, complex, dict, set)) or fileName is None:
+                raise GadgetTypeError(
+                    "a DataGadget's source must be a shape (a tuple of ints, e.g. (1000, 64)), "
+                    "a file path (.npy, .h5/.hdf5, .zarr), a NumPy array, a torch tensor, a "
+                    f"CuPy array or a (nested) list of numbers; got {type(fileName).__name__}"
+                    + (
+                        f" {fileName!r} (for {fileName} rows, pass a shape such as ({fileName}, dim))"
+                        if isinstance(fileName, int) and not isinstance(fileName, bool)
+                        else ""
+                    )
+                )
             data = as_tensor_data(fileName, "the source array")
             if data.dim() == 0:
                 raise GadgetValueError("a table needs at least one axis; got a 0-d array")
@@ -748,11 +759,31 @@ class DataGadget:
                 f"{what} fills a floating-point table; this one is {dtype_name(self.dtype)}"
             )
 
+    def _check_bounds(self, what: str, **values: Any) -> None:
+        """Each of ``values`` a finite real number within the table dtype's range."""
+        largest = torch.finfo(self.dtype).max
+        for name, v in values.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise GadgetTypeError(
+                    f"{what} takes a real number for {name}; got {type(v).__name__}"
+                )
+            try:
+                ok = math.isfinite(v) and abs(float(v)) <= largest
+            except OverflowError:  # an int beyond any float
+                ok = False
+            if not ok:
+                raise GadgetValueError(
+                    f"{what} on a {dtype_name(self.dtype)} table needs a finite {name} within "
+                    f"+-{largest}; got {name}={v!r}"
+                )
+
     def uniform_(
         self, low: float = 0.0, high: float = 1.0, *, generator: torch.Generator | None = None
     ) -> DataGadget:
-        """Fill the table from U(low, high) (``low <= high``; floating-point tables)."""
+        """Fill the table from U(low, high) (``low <= high``, both finite and within the
+        dtype's range; floating-point tables)."""
         self._check_float("uniform_")
+        self._check_bounds("uniform_", low=low, high=high)
         if not low <= high:
             raise GadgetValueError(f"uniform_ needs low <= high; got low={low}, high={high}")
         return self.init_(torch.Tensor.uniform_, low, high, generator=generator)
@@ -760,8 +791,10 @@ class DataGadget:
     def normal_(
         self, mean: float = 0.0, std: float = 1.0, *, generator: torch.Generator | None = None
     ) -> DataGadget:
-        """Fill the table from N(mean, std**2) (``std >= 0``; floating-point tables)."""
+        """Fill the table from N(mean, std**2) (``std >= 0``; ``mean`` and ``std`` finite and
+        within the dtype's range; floating-point tables)."""
         self._check_float("normal_")
+        self._check_bounds("normal_", mean=mean, std=std)
         if not std >= 0:
             raise GadgetValueError(f"normal_ needs std >= 0; got std={std}")
         return self.init_(torch.Tensor.normal_, mean, std, generator=generator)
@@ -964,11 +997,21 @@ def _is_cuda_tensor(x: Any) -> bool:
 
 
 def _fused_group(gadgets: Any) -> list[DataGadget]:
+    if isinstance(gadgets, DataGadget):
+        raise GadgetTypeError(
+            "expected a non-empty list of DataGadget; got one DataGadget (pass [table] for "
+            "one table, or use its getData / insertData)"
+        )
+    if not isinstance(gadgets, (list, tuple)):
+        raise GadgetTypeError(
+            f"expected a non-empty list (or tuple) of DataGadget; got {type(gadgets).__name__}"
+        )
     group = list(gadgets)
     if not group or not all(isinstance(g, DataGadget) for g in group):
+        kinds = ", ".join(type(g).__name__ for g in group[:8]) + (", ..." if len(group) > 8 else "")
         raise GadgetTypeError(
             "expected a non-empty list of DataGadget; got "
-            + (type(gadgets).__name__ if not group else ", ".join(type(g).__name__ for g in group))
+            + (f"an empty {type(gadgets).__name__}" if not group else f"a list of {kinds}")
         )
     first = group[0]
     for g in group[1:]:
@@ -1008,6 +1051,11 @@ def scatter_many(gadgets: Any, rows: Any, indexes: Any, *, check_ids: bool = Tru
     last occurrence's row in every table, as :meth:`DataGadget.insertData`.
     """
     group = _fused_group(gadgets)
+    if not isinstance(rows, (list, tuple)):
+        raise GadgetTypeError(
+            f"rows must be a list (or tuple) with one row tensor or array per table; got "
+            f"{type(rows).__name__}"
+        )
     rows = list(rows)
     if len(rows) != len(group):
         raise GadgetValueError(f"got {len(group)} tables but {len(rows)} row tensors")
