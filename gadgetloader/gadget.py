@@ -794,9 +794,13 @@ class DataGadget:
         """Fill the table from N(mean, std**2) (``std >= 0``; ``mean`` and ``std`` finite and
         within the dtype's range; floating-point tables)."""
         self._check_float("normal_")
-        self._check_bounds("normal_", mean=mean, std=std)
-        if not std >= 0:
+        try:
+            negative = not std >= 0  # nan too
+        except TypeError:  # not a number: the bounds check says so
+            negative = False
+        if negative:
             raise GadgetValueError(f"normal_ needs std >= 0; got std={std}")
+        self._check_bounds("normal_", mean=mean, std=std)
         return self.init_(torch.Tensor.normal_, mean, std, generator=generator)
 
     # ---- files ---------------------------------------------------------------------------

@@ -448,6 +448,9 @@ def _unprivileged(fn: Callable[[], Any]) -> Any:
             return fn()
         except Exception:
             return ("error", traceback.format_exc())
+    if torch.cuda.is_initialized():
+        # a forked child cannot use CUDA once this process has, and tables default to it
+        pytest.skip("needs a forked child as 'nobody', which cannot use CUDA set up here")
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
