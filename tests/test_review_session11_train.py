@@ -517,6 +517,8 @@ SCHED_CASES = [
 ]
 
 
+# torch 2.4's SequentialLR passes an epoch to its schedulers' step(), which warns there
+@pytest.mark.filterwarnings("ignore:The epoch parameter in `scheduler.step\\(\\)`:UserWarning")
 @pytest.mark.parametrize(
     "name,kw,kind", SCHED_CASES, ids=[f"{n}-{k}-{i}" for i, (n, _, k) in enumerate(SCHED_CASES)]
 )
