@@ -759,11 +759,17 @@ class DataGadget:
                 f"{what} fills a floating-point table; this one is {dtype_name(self.dtype)}"
             )
 
-    def _check_bounds(self, what: str, **values: Any) -> None:
-        """Each of ``values`` a finite real number within the table dtype's range."""
+    def _check_bounds(self, what: str, **values: Any) -> list[float]:
+        """Each of ``values`` as a float: a finite real number (a 0-d tensor or array too,
+        as torch takes) within the table dtype's range."""
         largest = torch.finfo(self.dtype).max
+        out = []
         for name, v in values.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+            if isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 0:
+                v = v.item()
+            if isinstance(v, (bool, np.bool_)) or not isinstance(
+                v, (int, float, np.integer, np.floating)
+            ):
                 raise GadgetTypeError(
                     f"{what} takes a real number for {name}; got {type(v).__name__}"
                 )
@@ -776,16 +782,23 @@ class DataGadget:
                     f"{what} on a {dtype_name(self.dtype)} table needs a finite {name} within "
                     f"+-{largest}; got {name}={v!r}"
                 )
+            out.append(float(v))
+        return out
 
     def uniform_(
         self, low: float = 0.0, high: float = 1.0, *, generator: torch.Generator | None = None
     ) -> DataGadget:
         """Fill the table from U(low, high) (``low <= high``, both finite and within the
-        dtype's range; floating-point tables)."""
+        dtype's range, as is ``high - low``; floating-point tables)."""
         self._check_float("uniform_")
-        self._check_bounds("uniform_", low=low, high=high)
+        low, high = self._check_bounds("uniform_", low=low, high=high)
         if not low <= high:
             raise GadgetValueError(f"uniform_ needs low <= high; got low={low}, high={high}")
+        if high - low > torch.finfo(self.dtype).max:
+            raise GadgetValueError(
+                f"uniform_ on a {dtype_name(self.dtype)} table needs high - low within "
+                f"{torch.finfo(self.dtype).max}; got low={low}, high={high}"
+            )
         return self.init_(torch.Tensor.uniform_, low, high, generator=generator)
 
     def normal_(
@@ -796,11 +809,11 @@ class DataGadget:
         self._check_float("normal_")
         try:
             negative = not std >= 0  # nan too
-        except TypeError:  # not a number: the bounds check says so
+        except (TypeError, RuntimeError):  # not a number: the bounds check says so
             negative = False
         if negative:
             raise GadgetValueError(f"normal_ needs std >= 0; got std={std}")
-        self._check_bounds("normal_", mean=mean, std=std)
+        mean, std = self._check_bounds("normal_", mean=mean, std=std)
         return self.init_(torch.Tensor.normal_, mean, std, generator=generator)
 
     # ---- files ---------------------------------------------------------------------------
@@ -1006,11 +1019,16 @@ def _fused_group(gadgets: Any) -> list[DataGadget]:
             "expected a non-empty list of DataGadget; got one DataGadget (pass [table] for "
             "one table, or use its getData / insertData)"
         )
-    if not isinstance(gadgets, (list, tuple)):
+    if isinstance(gadgets, (str, bytes, torch.Tensor, np.ndarray)):
         raise GadgetTypeError(
             f"expected a non-empty list (or tuple) of DataGadget; got {type(gadgets).__name__}"
         )
-    group = list(gadgets)
+    try:
+        group = list(gadgets)
+    except TypeError:
+        raise GadgetTypeError(
+            f"expected a non-empty list (or tuple) of DataGadget; got {type(gadgets).__name__}"
+        ) from None
     if not group or not all(isinstance(g, DataGadget) for g in group):
         kinds = ", ".join(type(g).__name__ for g in group[:8]) + (", ..." if len(group) > 8 else "")
         raise GadgetTypeError(
@@ -1055,12 +1073,18 @@ def scatter_many(gadgets: Any, rows: Any, indexes: Any, *, check_ids: bool = Tru
     last occurrence's row in every table, as :meth:`DataGadget.insertData`.
     """
     group = _fused_group(gadgets)
-    if not isinstance(rows, (list, tuple)):
+    if isinstance(rows, (str, bytes)) or rows is None:
         raise GadgetTypeError(
             f"rows must be a list (or tuple) with one row tensor or array per table; got "
             f"{type(rows).__name__}"
         )
-    rows = list(rows)
+    try:
+        rows = list(rows)  # a stacked tensor or array gives one per table along its first axis
+    except TypeError:
+        raise GadgetTypeError(
+            f"rows must be a list (or tuple) with one row tensor or array per table; got "
+            f"{type(rows).__name__}"
+        ) from None
     if len(rows) != len(group):
         raise GadgetValueError(f"got {len(group)} tables but {len(rows)} row tensors")
     checked = []

@@ -329,11 +329,13 @@ def scatter_many(
     *,
     unique: bool = False,
     count: torch.Tensor | None = None,
+    ids_sorted: bool = False,
 ) -> None:
     """``store[ids] = rows[k]`` for every store ``k`` (same rows), fused like :func:`gather_many`.
 
-    ``unique=True`` promises distinct ids (see :meth:`Store.scatter`). ``count`` (with
-    ``unique``): only the first ``count`` ids and rows are written."""
+    ``unique=True`` promises distinct ids and ``ids_sorted=True`` with it ascending ones
+    (see :meth:`Store.scatter`). ``count`` (with ``unique``): only the first ``count`` ids
+    and rows are written."""
     device = rows[0].device if rows else torch.device("cpu")
     views = _fused_views(stores, device)
     if views is not None and all(r.device == device for r in rows):
@@ -347,6 +349,7 @@ def scatter_many(
             [s.host_view() for s in stores],
             unique=unique,
             count=count,
+            ids_sorted=ids_sorted,
         )
         return
     if count is not None:
@@ -361,7 +364,7 @@ def scatter_many(
         for r in rows
     ]
     for s, r in zip(stores, rows, strict=True):
-        s.scatter(ids, r, strategy)
+        s.scatter(ids, r, strategy, unique=unique, ids_sorted=ids_sorted)
 
 
 def _views(store: Store) -> list[torch.Tensor]:

@@ -251,6 +251,8 @@ def save_checkpoint(
                     f"{fname!r}; rename one of the objects"
                 )
             seen[fname] = key
+    metas = {name: _encode_numpy(meta) for name, (_, _, meta) in parts.items()}
+    _check_loadable(metas)  # before anything is written, the directory included
     d = os.fspath(directory)
     if os.path.exists(d) and not os.path.isdir(d):
         raise GadgetFileError(
@@ -263,8 +265,6 @@ def save_checkpoint(
         raise GadgetFileError(
             f"save_checkpoint: cannot create the checkpoint directory {d} ({exc})"
         ) from exc
-    metas = {name: _encode_numpy(meta) for name, (_, _, meta) in parts.items()}
-    _check_loadable(metas)  # before any table is written
     previous = _listed_files(d)
     entries: dict[str, Any] = {}
     tmp = os.path.join(d, _META + ".tmp")
@@ -314,52 +314,123 @@ def save_checkpoint(
 
 #: how a NumPy number in an object's meta (an optimizer's ``lr=np.float32(...)``) is kept:
 #: ``torch.load(weights_only=True)`` refuses NumPy scalars, and a Python float in its place
-#: would change float32 arithmetic after a resume
+#: would change float32 arithmetic after a resume. A user's dict that holds either key is
+#: itself wrapped under :data:`_ESCAPE_TAG`, so it never reads back as a NumPy number.
 _NUMPY_TAG = "__gadgetloader_numpy_scalar__"
+_ESCAPE_TAG = "__gadgetloader_plain_dict__"
+
+
+def _numpy_value(x: np.generic) -> Any:
+    """A Python value that gives ``x`` back exactly (long doubles as decimal strings)."""
+    if isinstance(x, np.clongdouble):
+        return [np.format_float_scientific(v, unique=True) for v in (x.real, x.imag)]
+    if isinstance(x, np.longdouble):
+        return np.format_float_scientific(x, unique=True)
+    return x.item()
+
+
+def _numpy_scalar(tag: str, value: Any) -> np.generic:
+    kind = np.dtype(tag).type
+    if kind is np.clongdouble:
+        real, imag = (np.longdouble(v) for v in value)
+        return np.clongdouble(real + imag * 1j)
+    if kind is np.longdouble:
+        return np.longdouble(value)
+    return kind(value)
+
+
+def _rebuild(obj: Any, items: Any) -> Any:
+    """A container of ``obj``'s type holding ``items`` (a dict's as key-value pairs); a
+    plain dict, tuple or list where the type cannot be rebuilt from them."""
+    items = list(items)
+    try:
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+            return type(obj)(*items)
+        return type(obj)(items)
+    except Exception:
+        if isinstance(obj, dict):
+            return dict(items)
+        return tuple(items) if isinstance(obj, tuple) else items
+
+
+def _walk(obj: Any, leaf: Any, node: Any) -> Any:
+    """``obj`` with ``leaf`` applied to non-containers and ``node`` to dicts; containers
+    whose contents did not change are returned as they are (their type kept)."""
+    if isinstance(obj, dict):
+        return node(obj)
+    if isinstance(obj, (list, tuple)):
+        items = [_walk(v, leaf, node) for v in obj]
+        if all(a is b for a, b in zip(items, obj, strict=True)):
+            return obj
+        return _rebuild(obj, items)
+    return leaf(obj)
 
 
 def _encode_numpy(obj: Any) -> Any:
     """``obj`` with every NumPy number or bool replaced by a tagged (dtype, value) dict."""
-    if isinstance(obj, (np.number, np.bool_)):
-        return {_NUMPY_TAG: obj.dtype.str, "value": obj.item()}
-    if isinstance(obj, dict):
-        return {k: _encode_numpy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_encode_numpy(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_encode_numpy(v) for v in obj)
-    return obj
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, (np.number, np.bool_)):
+            return {_NUMPY_TAG: x.dtype.str, "value": _numpy_value(x)}
+        return x
+
+    def node(d: dict[Any, Any]) -> Any:
+        items = {k: _walk(v, leaf, node) for k, v in d.items()}
+        if _NUMPY_TAG in d or _ESCAPE_TAG in d:
+            return {_ESCAPE_TAG: items}
+        if all(items[k] is d[k] for k in d):
+            return d
+        return _rebuild(d, items.items())
+
+    return _walk(obj, leaf, node)
 
 
 def _decode_numpy(obj: Any) -> Any:
     """The inverse of :func:`_encode_numpy`."""
+
+    def node(d: dict[Any, Any]) -> Any:
+        if set(d) == {_NUMPY_TAG, "value"}:
+            return _numpy_scalar(d[_NUMPY_TAG], d["value"])
+        if set(d) == {_ESCAPE_TAG} and isinstance(d[_ESCAPE_TAG], dict):
+            inner = d[_ESCAPE_TAG]
+            return {k: _walk(v, lambda x: x, node) for k, v in inner.items()}
+        items = {k: _walk(v, lambda x: x, node) for k, v in d.items()}
+        if all(items[k] is d[k] for k in d):
+            return d
+        return _rebuild(d, items.items())
+
+    return _walk(obj, lambda x: x, node)
+
+
+def _skeleton(obj: Any) -> Any:
+    """``obj`` with its tensors left out (they always load): what :func:`_check_loadable`
+    needs to try, without a second copy of a module's dense weights."""
+    if isinstance(obj, torch.Tensor):
+        return None
     if isinstance(obj, dict):
-        if set(obj) == {_NUMPY_TAG, "value"}:
-            return np.dtype(obj[_NUMPY_TAG]).type(obj["value"])
-        return {k: _decode_numpy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_decode_numpy(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_decode_numpy(v) for v in obj)
+        return _rebuild(obj, ((k, _skeleton(v)) for k, v in obj.items()))
+    if isinstance(obj, (list, tuple)):
+        return _rebuild(obj, (_skeleton(v) for v in obj))
     return obj
 
 
 def _check_loadable(metas: dict[str, Any]) -> None:
     """Refuse, before writing, what ``load_checkpoint``'s weights-only read would refuse."""
-    buf = io.BytesIO()
-    torch.save(metas, buf)
-    buf.seek(0)
     try:
+        buf = io.BytesIO()
+        torch.save(_skeleton(metas), buf)
+        buf.seek(0)
         torch.load(buf, map_location="cpu", weights_only=True)
     except Exception as exc:
-        first = str(exc).strip().splitlines()
+        lines = str(exc).strip().splitlines()
         why = next(
-            (ln for ln in first if "GLOBAL" in ln or "global" in ln), first[0] if first else ""
+            (ln for ln in lines if "GLOBAL" in ln or "global" in ln), lines[0] if lines else ""
         )
         raise GadgetTypeError(
             "save_checkpoint: an object's state holds a value that a checkpoint cannot keep "
             "(it is read back with torch.load(weights_only=True), which takes tensors, Python "
-            f"numbers, strings and containers of them, and NumPy numbers): {why.strip()}"
+            f"numbers, strings and containers of them; NumPy numbers are converted): "
+            f"{type(exc).__name__}: {why.strip()}"
         ) from exc
 
 

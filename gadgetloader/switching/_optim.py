@@ -219,6 +219,7 @@ def probe_state(
             f"{cls.__name__}(differentiable=True) cannot be paged: paged rows are updated in "
             "place outside autograd; leave differentiable at False"
         )
+    own = inspect.signature(cls.__init__).parameters
     accepted = _init_options(cls)
     kwargs = {k: v for k, v in hyper.items() if k in accepted}
     defaults = getattr(optimizer, "defaults", {})
@@ -226,8 +227,17 @@ def probe_state(
         # torch's Adagrad fills every group's `sum` from its constructor's value and
         # ignores a group's own
         kwargs["initial_accumulator_value"] = defaults["initial_accumulator_value"]
+    narrow = {k: v for k, v in kwargs.items() if k in own}
     try:
-        probe_opt = cls([probe], **kwargs)
+        try:
+            probe_opt = cls([probe], **kwargs)
+        except TypeError:
+            if set(narrow) == set(kwargs):
+                raise
+            # a subclass that sets some options itself and passes the rest on as **kwargs
+            # refuses them twice: build it from its own parameters (the group update below
+            # gives the step every option)
+            probe_opt = cls([probe], **narrow)
     except Exception as exc:
         raise GadgetTypeError(
             f"could not build a {cls.__name__} like the given one to find its state ({exc})"
@@ -711,7 +721,14 @@ class StatePager:
         if all(r.device == where for r in rows_out) and all(
             s.ids_device(where) == ids.device for s in stores
         ):
-            scatter_stores(stores, ids, rows_out, unique=plan.distinct, count=plan.n_distinct)
+            scatter_stores(
+                stores,
+                ids,
+                rows_out,
+                unique=plan.distinct,
+                count=plan.n_distinct,
+                ids_sorted=plan.distinct,  # a distinct plan's ids ascend
+            )
         else:
             exact = exact_plan(plan)
             k = exact.num_rows

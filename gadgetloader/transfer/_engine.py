@@ -507,7 +507,9 @@ def scatter_many(
                 )
             return
         k = _count_value(count, n)
-        scatter_many(tables, flat[:k], [r[:k] for r in srcs], how, hosts, unique=True)
+        scatter_many(
+            tables, flat[:k], [r[:k] for r in srcs], how, hosts, unique=True, ids_sorted=ids_sorted
+        )
         return
     ascending = ids_sorted or not unique  # sorted here unless the ids are promised distinct
     if unique:
