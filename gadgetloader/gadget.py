@@ -809,7 +809,7 @@ class DataGadget:
         self._check_float("normal_")
         try:
             negative = not std >= 0  # nan too
-        except (TypeError, RuntimeError):  # not a number: the bounds check says so
+        except (TypeError, RuntimeError, ValueError):  # not a number: the bounds check says so
             negative = False
         if negative:
             raise GadgetValueError(f"normal_ needs std >= 0; got std={std}")
@@ -1019,7 +1019,7 @@ def _fused_group(gadgets: Any) -> list[DataGadget]:
             "expected a non-empty list of DataGadget; got one DataGadget (pass [table] for "
             "one table, or use its getData / insertData)"
         )
-    if isinstance(gadgets, (str, bytes, torch.Tensor, np.ndarray)):
+    if isinstance(gadgets, (str, bytes, torch.Tensor, np.ndarray, set, frozenset, dict)):
         raise GadgetTypeError(
             f"expected a non-empty list (or tuple) of DataGadget; got {type(gadgets).__name__}"
         )
@@ -1073,7 +1073,7 @@ def scatter_many(gadgets: Any, rows: Any, indexes: Any, *, check_ids: bool = Tru
     last occurrence's row in every table, as :meth:`DataGadget.insertData`.
     """
     group = _fused_group(gadgets)
-    if isinstance(rows, (str, bytes)) or rows is None:
+    if isinstance(rows, (str, bytes, set, frozenset, dict)) or rows is None:
         raise GadgetTypeError(
             f"rows must be a list (or tuple) with one row tensor or array per table; got "
             f"{type(rows).__name__}"

@@ -109,3 +109,17 @@ def test_checkpoint_refuses_state_it_could_not_load_before_writing(tmp_path) -> 
     lr = opt2.param_groups[0]["lr"]
     assert type(lr) is np.float32 and lr == np.float32(0.1)
     assert np.array_equal(emb2.table.getNumpyVersion(), emb.table.getNumpyVersion())
+
+
+@pytest.mark.parametrize("make", [set, frozenset, lambda gs: {i: g for i, g in enumerate(gs)}])
+def test_unordered_table_collections_are_refused(make) -> None:
+    """A set (or dict) of tables has no order to pair rows with: refused, nothing written."""
+    a = gl.DataGadget(torch.zeros(5, 2), placement="cpu", device="cpu")
+    b = gl.DataGadget(torch.ones(5, 2), placement="cpu", device="cpu")
+    with pytest.raises(gl.GadgetTypeError, match="list"):
+        gl.gather_many(make([a, b]), [1])
+    with pytest.raises(gl.GadgetTypeError, match="list"):
+        gl.scatter_many(make([a, b]), [torch.full((1, 2), 7.0)] * 2, [1])
+    with pytest.raises(gl.GadgetTypeError, match="list"):
+        gl.scatter_many([a, b], {0: torch.full((1, 2), 7.0), 1: torch.full((1, 2), 8.0)}, [1])
+    assert not a.getNumpyVersion().any() and (b.getNumpyVersion() == 1).all()

@@ -13,6 +13,7 @@ so training resumes bit-identically.
 from __future__ import annotations
 
 import contextlib
+import copy
 import glob
 import io
 import os
@@ -329,21 +330,28 @@ def _numpy_value(x: np.generic) -> Any:
     return x.item()
 
 
-def _numpy_scalar(tag: str, value: Any) -> np.generic:
+def _numpy_scalar(tag: str, value: Any) -> Any:
     kind = np.dtype(tag).type
     if kind is np.clongdouble:
-        real, imag = (np.longdouble(v) for v in value)
-        return np.clongdouble(real + imag * 1j)
+        z = np.zeros((), dtype=np.clongdouble)  # parts set one by one: exact for inf, -0, nan
+        z.real, z.imag = (np.longdouble(v) for v in value)
+        return z[()]
     if kind is np.longdouble:
         return np.longdouble(value)
     return kind(value)
 
 
 def _rebuild(obj: Any, items: Any) -> Any:
-    """A container of ``obj``'s type holding ``items`` (a dict's as key-value pairs); a
-    plain dict, tuple or list where the type cannot be rebuilt from them."""
+    """A container of ``obj``'s exact type holding ``items`` (a dict's as key-value pairs:
+    a copy of the dict refilled, so a ``defaultdict`` keeps its factory); a plain dict,
+    tuple or list where the type cannot be rebuilt."""
     items = list(items)
     try:
+        if isinstance(obj, dict):
+            new = copy.copy(obj)
+            new.clear()
+            new.update(items)
+            return new
         if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
             return type(obj)(*items)
         return type(obj)(items)
@@ -376,11 +384,11 @@ def _encode_numpy(obj: Any) -> Any:
 
     def node(d: dict[Any, Any]) -> Any:
         items = {k: _walk(v, leaf, node) for k, v in d.items()}
+        same = all(items[k] is d[k] for k in d)
+        inner = d if same else _rebuild(d, items.items())
         if _NUMPY_TAG in d or _ESCAPE_TAG in d:
-            return {_ESCAPE_TAG: items}
-        if all(items[k] is d[k] for k in d):
-            return d
-        return _rebuild(d, items.items())
+            return {_ESCAPE_TAG: inner}
+        return inner
 
     return _walk(obj, leaf, node)
 
@@ -392,8 +400,13 @@ def _decode_numpy(obj: Any) -> Any:
         if set(d) == {_NUMPY_TAG, "value"}:
             return _numpy_scalar(d[_NUMPY_TAG], d["value"])
         if set(d) == {_ESCAPE_TAG} and isinstance(d[_ESCAPE_TAG], dict):
-            inner = d[_ESCAPE_TAG]
-            return {k: _walk(v, lambda x: x, node) for k, v in inner.items()}
+            inner = d[_ESCAPE_TAG]  # a user's dict holding a tag key: its own type kept
+            items = {k: _walk(v, lambda x: x, node) for k, v in inner.items()}
+            return (
+                inner
+                if all(items[k] is inner[k] for k in inner)
+                else _rebuild(inner, items.items())
+            )
         items = {k: _walk(v, lambda x: x, node) for k, v in d.items()}
         if all(items[k] is d[k] for k in d):
             return d

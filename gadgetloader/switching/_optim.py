@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -227,17 +228,8 @@ def probe_state(
         # torch's Adagrad fills every group's `sum` from its constructor's value and
         # ignores a group's own
         kwargs["initial_accumulator_value"] = defaults["initial_accumulator_value"]
-    narrow = {k: v for k, v in kwargs.items() if k in own}
     try:
-        try:
-            probe_opt = cls([probe], **kwargs)
-        except TypeError:
-            if set(narrow) == set(kwargs):
-                raise
-            # a subclass that sets some options itself and passes the rest on as **kwargs
-            # refuses them twice: build it from its own parameters (the group update below
-            # gives the step every option)
-            probe_opt = cls([probe], **narrow)
+        probe_opt = _build_probe(cls, probe, kwargs, own)
     except Exception as exc:
         raise GadgetTypeError(
             f"could not build a {cls.__name__} like the given one to find its state ({exc})"
@@ -290,6 +282,28 @@ def probe_state(
                 f"(supported: {', '.join(SUPPORTED_OPTIMIZERS)})"
             )
     return StateLayout(tuple(row_keys), init_rows, init_scalars, sparse)
+
+
+def _build_probe(
+    cls: type, probe: torch.Tensor, kwargs: dict[str, Any], own: Mapping[str, Any]
+) -> Any:
+    """``cls([probe], **kwargs)``. A subclass that sets some options itself and passes the
+    rest on as ``**kwargs`` refuses those it sets ("got multiple values for keyword
+    argument"): they are dropped one by one (the probe's group gets every option after),
+    and where the refusal names none, only the subclass's own parameters are passed."""
+    kwargs = dict(kwargs)
+    while True:
+        try:
+            return cls([probe], **kwargs)
+        except TypeError as exc:
+            m = re.search(r"multiple values for (?:keyword )?argument '(\w+)'", str(exc))
+            if m and m.group(1) in kwargs:
+                del kwargs[m.group(1)]
+                continue
+            narrow = {k: v for k, v in kwargs.items() if k in own}
+            if set(narrow) == set(kwargs):
+                raise
+            kwargs = narrow
 
 
 def _init_options(cls: type) -> set[str]:
