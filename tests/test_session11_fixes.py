@@ -123,3 +123,22 @@ def test_unordered_table_collections_are_refused(make) -> None:
     with pytest.raises(gl.GadgetTypeError, match="list"):
         gl.scatter_many([a, b], {0: torch.full((1, 2), 7.0), 1: torch.full((1, 2), 8.0)}, [1])
     assert not a.getNumpyVersion().any() and (b.getNumpyVersion() == 1).all()
+
+
+def test_numpy_complex_options_round_trip_on_every_torch(tmp_path) -> None:
+    """NumPy complex numbers are kept as their two parts: torch 2.4's weights-only read
+    refuses a Python complex, so they must not become one."""
+    import numpy as np
+
+    emb = gl.OffloadedEmbedding(6, 2, placement="cpu", device="cpu")
+    opt = gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=0.1)
+    values = [np.complex64(1.5 - 2j), np.complex128(complex(-0.0, float("inf")))]
+    opt.param_groups[0]["note"] = values
+    gl.save_checkpoint(tmp_path / "ck", {"emb": emb, "opt": opt})
+    emb2 = gl.OffloadedEmbedding(6, 2, placement="cpu", device="cpu")
+    opt2 = gl.OffloadedOptimizer(torch.optim.SGD, emb2, lr=0.1)
+    gl.load_checkpoint(tmp_path / "ck", {"emb": emb2, "opt": opt2})
+    got = opt2.param_groups[0]["note"]
+    assert [type(v) for v in got] == [np.complex64, np.complex128]
+    for a, b in zip(got, values, strict=True):
+        assert a.tobytes() == b.tobytes()  # bit-exact, the sign of -0.0 and inf included

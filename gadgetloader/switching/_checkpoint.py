@@ -322,9 +322,13 @@ _ESCAPE_TAG = "__gadgetloader_plain_dict__"
 
 
 def _numpy_value(x: np.generic) -> Any:
-    """A Python value that gives ``x`` back exactly (long doubles as decimal strings)."""
+    """A Python value that gives ``x`` back exactly: long doubles as decimal strings,
+    complex numbers as their two parts (older torch cannot read a Python ``complex``
+    with ``weights_only=True``)."""
     if isinstance(x, np.clongdouble):
         return [np.format_float_scientific(v, unique=True) for v in (x.real, x.imag)]
+    if isinstance(x, np.complexfloating):
+        return [float(x.real), float(x.imag)]
     if isinstance(x, np.longdouble):
         return np.format_float_scientific(x, unique=True)
     return x.item()
@@ -332,9 +336,10 @@ def _numpy_value(x: np.generic) -> Any:
 
 def _numpy_scalar(tag: str, value: Any) -> Any:
     kind = np.dtype(tag).type
-    if kind is np.clongdouble:
-        z = np.zeros((), dtype=np.clongdouble)  # parts set one by one: exact for inf, -0, nan
-        z.real, z.imag = (np.longdouble(v) for v in value)
+    if issubclass(kind, np.complexfloating) and isinstance(value, (list, tuple)):
+        z = np.zeros((), dtype=kind)  # parts set one by one: exact for inf, -0, nan
+        part = np.longdouble if kind is np.clongdouble else float
+        z.real, z.imag = (part(v) for v in value)
         return z[()]
     if kind is np.longdouble:
         return np.longdouble(value)
