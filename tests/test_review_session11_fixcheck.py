@@ -123,7 +123,16 @@ def same(a: Any, b: Any) -> bool:
 
 
 def same_bits(a: np.generic, b: np.generic) -> bool:
-    return type(a) is type(b) and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    """Same type and the same value bit for bit: equal (or both NaN) with the same sign, part
+    by part. Not ``tobytes()``: an x86 long double is 10 bytes padded to 16, and the padding
+    is whatever was in memory."""
+    if type(a) is not type(b):
+        return False
+    parts = [(a.real, b.real), (a.imag, b.imag)] if np.iscomplexobj(a) else [(a, b)]
+    return all(
+        (x == y or (np.isnan(x) and np.isnan(y))) and np.signbit(x) == np.signbit(y)
+        for x, y in parts
+    )
 
 
 def old_encode_numpy(obj: Any) -> Any:
