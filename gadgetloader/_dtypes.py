@@ -37,6 +37,9 @@ _BY_NAME.update(
         "half": torch.float16,
         "long": torch.int64,
         "int": torch.int32,
+        "short": torch.int16,
+        "byte": torch.uint8,  # torch's meaning (NumPy's 'byte' is int8)
+        "char": torch.int8,
         "bool_": torch.bool,
     }
 )
@@ -51,7 +54,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def as_torch_dtype(dtype: Any) -> torch.dtype:
-    """Turn a string (``'float32'``), NumPy dtype or torch dtype into a supported torch dtype.
+    """Turn a string (``'float32'``), NumPy dtype or type, or torch dtype into a supported torch dtype.
+
+    A name means what it means in torch where torch and NumPy differ: ``'float'`` is
+    float32 (``torch.float``), ``'int'`` int32, ``'byte'`` uint8, ``'char'`` int8,
+    ``'torch.float16'`` float16. Python's own types mean what they mean to both:
+    ``float`` is float64, ``int`` int64, ``bool`` bool. Other names are NumPy's (``'f4'``,
+    ``'<i8'``, ``'single'``).
 
     Raises
     ------

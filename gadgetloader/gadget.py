@@ -338,28 +338,32 @@ class DataGadget:
         options: dict[str, Any],
     ) -> Store:
         source = _io.open_source(path, format=fmt, dataset=dataset)
-        if dtype is not None and as_torch_dtype(dtype) != source.dtype:
-            raise GadgetTypeError(
-                f"{path} holds {dtype_name(source.dtype)} but dtype={dtype!r} was requested"
-            )
-        if source.num_rows == 0:
-            raise GadgetValueError(
-                f"{path} holds a table with zero rows {source.shape}; nothing to load"
-            )
-        if placement == "file":
-            from .stores import file_store  # provided by the files module
+        try:
+            if dtype is not None and as_torch_dtype(dtype) != source.dtype:
+                raise GadgetTypeError(
+                    f"{path} holds {dtype_name(source.dtype)} but dtype={dtype!r} was requested"
+                )
+            if source.num_rows == 0:
+                raise GadgetValueError(
+                    f"{path} holds a table with zero rows {source.shape}; nothing to load"
+                )
+            if placement == "file":
+                from .stores import file_store  # provided by the files module
 
-            return file_store(source, **options)
-        if options:
-            raise GadgetTypeError(
-                f"unexpected options for an in-memory placement: {sorted(options)}"
+                return file_store(source, **options)  # the store owns the source now
+            if options:
+                raise GadgetTypeError(
+                    f"unexpected options for an in-memory placement: {sorted(options)}"
+                )
+            store = empty_store(
+                placement,
+                source.shape,
+                source.dtype,
+                self._device if self._device.type == "cuda" else None,
             )
-        store = empty_store(
-            placement,
-            source.shape,
-            source.dtype,
-            self._device if self._device.type == "cuda" else None,
-        )
+        except BaseException:
+            source.close()
+            raise
         try:
             _io.load_into(source, store, progress=progress)
         except BaseException:
@@ -419,9 +423,10 @@ class DataGadget:
         return self._store.num_rows
 
     def __repr__(self) -> str:
+        closed = ", closed" if self._store.closed else ""
         return (
             f"DataGadget(shape={self.shape}, dtype={dtype_name(self.dtype)}, "
-            f"placement={self.placement!r}, device={str(self._device)!r})"
+            f"placement={self.placement!r}, device={str(self._device)!r}{closed})"
         )
 
     # ---- rows in and out -----------------------------------------------------------------
@@ -909,6 +914,7 @@ class DataGadget:
         the file is read into a staging copy first (1x the table in ordinary RAM, as a
         new store would take), so a file that fails part-way leaves the table unchanged.
         """
+        self._store.check_open()  # a closed table stays closed: no new store behind it
         self._check_no_waiting_lookup("loading a file into this table")
         if getattr(self._store, "load_in_place", False):
             self._load_in_place(os.fspath(path), dataset, format, progress)
@@ -969,7 +975,9 @@ class DataGadget:
     # ---- lifetime --------------------------------------------------------------------------
     def flush(self) -> None:
         """Push rows written to a ``file`` table out to its file (the OS may still hold
-        them; ``close()`` also flushes). Other placements: nothing to do."""
+        them; ``close()`` also flushes). Other placements: nothing to do. A closed table
+        raises ``GadgetClosedError``, as a closed Python file does."""
+        self._store.check_open()
         flush = getattr(self.store, "flush", None)
         if flush is not None:
             flush()

@@ -891,9 +891,12 @@ def file_store(
         )
     if not isinstance(source, ArraySource):
         source = open_source(os.fspath(source), format=format, dataset=dataset)
-    if source.num_rows == 0:
-        source.close()
-        raise GadgetValueError(
-            f"{source.path} holds a table with zero rows {source.shape}; nothing to read"
-        )
-    return FileStore(source, **options)
+    try:
+        if source.num_rows == 0:
+            raise GadgetValueError(
+                f"{source.path} holds a table with zero rows {source.shape}; nothing to read"
+            )
+        return FileStore(source, **options)
+    except BaseException:
+        source.close()  # a refused store leaves no file handle behind
+        raise

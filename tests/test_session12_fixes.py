@@ -1,0 +1,100 @@
+"""Session 12 fixes: a closed table stays closed, file handles on refused opens, torch's dtype names."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import gadgetloader as gl
+from gadgetloader._dtypes import as_torch_dtype
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def npy(tmp_path):
+    p = tmp_path / "t.npy"
+    np.save(p, np.arange(12, dtype=np.float32).reshape(4, 3))
+    return p
+
+
+@pytest.mark.parametrize("placement", ["cpu", "file"])
+def test_load_after_close_is_refused_and_the_table_stays_closed(npy, tmp_path, placement):
+    other = tmp_path / "o.npy"
+    np.save(other, np.full((4, 3), 7, dtype=np.float32))
+    g = gl.DataGadget(str(npy), placement=placement, device="cpu")
+    g.close()
+    with pytest.raises(gl.GadgetClosedError):
+        g.load(str(other))
+    with pytest.raises(gl.GadgetClosedError):  # not revived by the refused load
+        g.getData([0])
+    assert "closed" in repr(g)
+    assert g.shape == (4, 3) and len(g) == 4
+
+
+@pytest.mark.parametrize("placement", ["cpu", "file"])
+def test_flush_after_close_is_refused(npy, placement):
+    g = gl.DataGadget(str(npy), placement=placement, device="cpu")
+    g.flush()  # open: fine
+    g.close()
+    with pytest.raises(gl.GadgetClosedError):
+        g.flush()
+
+
+def test_open_table_repr_does_not_say_closed(npy):
+    g = gl.DataGadget(str(npy), placement="cpu", device="cpu")
+    assert "closed" not in repr(g)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+@pytest.mark.parametrize("placement", ["cpu", "file"])
+def test_refused_opens_leave_no_file_handle(npy, tmp_path, placement):
+    import h5py
+
+    h5 = tmp_path / "t.h5"
+    with h5py.File(h5, "w") as f:
+        f["x"] = np.ones((4, 3), dtype=np.float32)
+        f["empty"] = np.ones((0, 3), dtype=np.float32)
+    before = open_fds()
+    for _ in range(5):
+        with pytest.raises(gl.GadgetTypeError, match="float64"):
+            gl.DataGadget(str(npy), placement=placement, dtype="float64", device="cpu")
+        with pytest.raises(gl.GadgetTypeError, match="float64"):
+            gl.DataGadget(str(h5), dataset="x", placement=placement, dtype="float64", device="cpu")
+        with pytest.raises(gl.GadgetValueError, match="zero rows"):
+            gl.DataGadget(str(h5), dataset="empty", placement=placement, device="cpu")
+    with pytest.raises(gl.GadgetTypeError, match="unexpected option"):
+        gl.DataGadget(str(h5), dataset="x", placement="file", no_such_option=1, device="cpu")
+    assert open_fds() == before
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("float", torch.float32),
+        ("double", torch.float64),
+        ("half", torch.float16),
+        ("int", torch.int32),
+        ("long", torch.int64),
+        ("short", torch.int16),
+        ("byte", torch.uint8),
+        ("char", torch.int8),
+        ("torch.float16", torch.float16),
+        (float, torch.float64),
+        (int, torch.int64),
+        (bool, torch.bool),
+        ("f4", torch.float32),
+        (np.int16, torch.int16),
+    ],
+)
+def test_dtype_names_mean_what_torch_means(name, expected):
+    assert as_torch_dtype(name) == expected
+    if isinstance(name, str) and hasattr(torch, name.removeprefix("torch.")):
+        assert getattr(torch, name.removeprefix("torch.")) == expected  # torch agrees
+    g = gl.DataGadget((3, 2), dtype=name, placement="cpu", device="cpu")
+    assert g.dtype == expected
