@@ -185,8 +185,9 @@ def check_range(ids: torch.Tensor, num_rows: int) -> None:
     if ids.is_cuda:
         lo, hi = torch.aminmax(ids)
         lo_v, hi_v = torch.stack((lo, hi)).tolist()
-    else:
-        lo_v, hi_v = int(ids.min()), int(ids.max())
+    else:  # one pass over the ids (min() then max() would take two)
+        lo, hi = torch.aminmax(ids)
+        lo_v, hi_v = int(lo), int(hi)
     if lo_v < 0 or hi_v >= num_rows:
         bad = lo_v if lo_v < 0 else hi_v
         what = "negative" if bad < 0 else "out of range"
