@@ -98,3 +98,27 @@ def test_dtype_names_mean_what_torch_means(name, expected):
         assert getattr(torch, name.removeprefix("torch.")) == expected  # torch agrees
     g = gl.DataGadget((3, 2), dtype=name, placement="cpu", device="cpu")
     assert g.dtype == expected
+
+
+@pytest.mark.parametrize(
+    ("device_type", "pin", "expected"),
+    [
+        ("cpu", False, "cpu"),
+        ("cpu:0", False, "cpu"),
+        (torch.device("cpu"), False, "cpu"),
+        (torch.device("cpu"), True, "pinned"),
+        ("cuda", False, "cuda"),
+        ("cuda:0", False, "cuda"),
+        (torch.device("cuda", 0), False, "cuda"),
+    ],
+)
+def test_speedtorch_device_type_takes_torch_device_forms(device_type, pin, expected):
+    from gadgetloader.switching._factories import _torch_placement
+
+    assert _torch_placement(device_type, pin, None) == expected
+
+
+@pytest.mark.parametrize("device_type", ["CPU", "gpu", 0, None, "meta"])
+def test_speedtorch_device_type_refuses_other_values(device_type):
+    with pytest.raises(gl.GadgetValueError, match="deviceType"):
+        gl.PytorchModelFactory(torch.nn.Embedding(4, 3), 10, 3, "float32", device_type)

@@ -252,6 +252,9 @@ def save_checkpoint(
                     f"{fname!r}; rename one of the objects"
                 )
             seen[fname] = key
+    for _, tables, _ in parts.values():
+        for table in tables.values():
+            table.store.check_open()  # a closed table: refused before the directory exists
     metas = {name: _encode_numpy(meta) for name, (_, _, meta) in parts.items()}
     _check_loadable(metas)  # before anything is written, the directory included
     d = os.fspath(directory)
@@ -501,7 +504,9 @@ def _check_shape(shape: tuple[int, ...], path: str, fmt: str, dtype: torch.dtype
 
 
 def _check_table(table: DataGadget, path: str, fmt: str) -> None:
-    """Refuse a table file that is missing, unreadable or of another shape or dtype."""
+    """Refuse a closed table, and a table file that is missing, unreadable or of another
+    shape or dtype."""
+    table.store.check_open()
     src = _io.open_source(path, format=fmt)
     try:
         shape, dtype = tuple(src.shape), src.dtype

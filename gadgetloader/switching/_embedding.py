@@ -1106,6 +1106,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_tables(self, plans: list[RowPlan | None]) -> None:
+        # a closed table (or state table) is refused before any table is paged or written:
+        # a step is applied to every table or to none
+        for m, pager, plan in zip(self.tables, self.pagers, plans, strict=True):
+            if plan is not None:
+                m.table.store.check_open()
+                for t in pager.tables.values():
+                    t.store.check_open()
         for m, pager, plan in zip(self.tables, self.pagers, plans, strict=True):
             if plan is not None:
                 pre = m._prefetched
@@ -1253,6 +1260,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     raise GadgetTypeError(
                         f"state table {key!r}: expected a floating-point tensor, got {t.dtype}"
                     )
+                if table is not None:
+                    table.store.check_open()  # a closed state table: nothing is loaded
                 writes.append((pager, key, t, first))
         self._load_inner(state_dict["inner"])
         for pager, key, t, first in writes:

@@ -25,14 +25,28 @@ def _cupy_placement(CPUPinn: bool, placement: str | None) -> str:
     return "pinned" if CPUPinn else "cuda"
 
 
-def _torch_placement(deviceType: str, pinType: bool, placement: str | None) -> str:
+def _torch_placement(deviceType: Any, pinType: bool, placement: str | None) -> str:
+    """The placement for SpeedTorch's ``deviceType`` (a device string such as ``'cuda'``,
+    ``'cuda:0'``, ``'cpu'``, or a ``torch.device``: its type decides; a CUDA table lives on
+    the model variable's GPU) and ``pinType``."""
     if placement is not None:
         return placement
-    if deviceType == "cuda":
+    kind = None
+    if isinstance(deviceType, torch.device):
+        kind = deviceType.type
+    elif isinstance(deviceType, str):
+        try:
+            kind = torch.device(deviceType).type
+        except RuntimeError:
+            kind = None
+    if kind == "cuda":
         return "cuda"
-    if deviceType == "cpu":
+    if kind == "cpu":
         return "pinned" if pinType else "cpu"
-    raise GadgetValueError(f"Unknown deviceType {deviceType!r}; expected one of ['cpu', 'cuda']")
+    raise GadgetValueError(
+        f"Unknown deviceType {deviceType!r}; expected 'cuda', 'cpu', 'cuda:N' or a torch.device "
+        "of either type"
+    )
 
 
 class ModelFactory(ModelSwitch):
@@ -85,7 +99,7 @@ class PytorchModelFactory(ModelSwitch):
         total_classes: int,
         embed_dimension: int,
         datatype: Any = "float32",
-        deviceType: str = "cuda",
+        deviceType: Any = "cuda",
         pinType: bool = False,
         *,
         placement: str | None = None,
@@ -143,7 +157,7 @@ class PytorchOptimizerFactory(OptimizerSwitch):
         model: torch.nn.Module,
         variable_name: str,
         dtype: Any = "float32",
-        deviceType: str = "cuda",
+        deviceType: Any = "cuda",
         pinType: bool = False,
         *,
         placement: str | None = None,

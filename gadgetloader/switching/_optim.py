@@ -863,18 +863,11 @@ def interleave_ok(
     where = store.placement
     return (
         where in ("pinned", "cpu")
-        and _quiet_placement(placement, resolve_placement) == where
+        # (the fallback warning, once per process, also when the table was asked for 'cpu')
+        and resolve_placement(placement) == where
         and all(d == table.dtype for d in dtypes)
         and table.shape == (num_rows, *row_shape)
     )
-
-
-def _quiet_placement(placement: str, resolve: Any) -> str:
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the fallback warning was given when the table was made
-        return str(resolve(placement))
 
 
 def _interleave_with(
