@@ -71,6 +71,12 @@ class FallbackWarning(UserWarning):
     (e.g. the ``cuda`` or ``pinned`` placement on a machine without CUDA)."""
 
 
+def table_mismatch(same_shape: bool, message: str) -> GadgetError:
+    """The error for a file or tensor that does not fit a table: a ``GadgetTypeError`` when
+    only the dtype differs, a ``GadgetValueError`` when the shape does."""
+    return GadgetTypeError(message) if same_shape else GadgetValueError(message)
+
+
 def as_count(value: object, name: str, *, minimum: int = 1) -> int:
     """``value`` as an int of at least ``minimum``: integral ints (NumPy ints, integral floats
     such as ``20.0``) pass; bools, fractions and smaller values raise."""

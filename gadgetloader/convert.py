@@ -29,6 +29,7 @@ import numpy as np
 from . import io as _io
 from ._dtypes import dtype_name
 from ._errors import GadgetError, GadgetValueError
+from ._paths import as_path
 from .io._atomic import InterruptedAfterWrite, interrupts_deferred
 from .io._stream import STAGING_BYTES, blocks, progress_bar
 
@@ -89,7 +90,7 @@ def convert(
     GadgetError
         Any problem with either file; ``dst`` is then left as it was.
     """
-    src_p, dst_p = os.fspath(src), os.fspath(dst)
+    src_p, dst_p = as_path(src), as_path(dst)
     if os.path.abspath(src_p) == os.path.abspath(dst_p):
         raise GadgetValueError(f"convert: source and destination are the same path {src_p!r}")
     t0 = time.perf_counter()

@@ -14,8 +14,9 @@ import torch
 from . import io as _io
 from ._device import resolve_device
 from ._dtypes import as_torch_dtype, dtype_name, numpy_dtype
-from ._errors import GadgetError, GadgetKeyError, GadgetTypeError, GadgetValueError
+from ._errors import GadgetError, GadgetKeyError, GadgetTypeError, GadgetValueError, table_mismatch
 from ._ids import _WIDE_UNSIGNED, as_ids, start_range_check
+from ._paths import as_path
 from .stores import Store, empty_store
 from .stores._base import gather_many as gather_stores
 from .stores._base import scatter_many as scatter_stores
@@ -231,7 +232,7 @@ class DataGadget:
                 "(pass data as an array, tensor or list)"
             )
         elif isinstance(fileName, (str, os.PathLike)):
-            self._source_path = os.fspath(fileName)
+            self._source_path = as_path(fileName)
             self._store = self._open_file(
                 self._source_path, requested, dataset, format, progress, dtype, options
             )
@@ -694,6 +695,11 @@ class DataGadget:
         """Fill the table in place with any torch initializer, e.g.
         ``g.init_(torch.nn.init.xavier_uniform_)``. On ``pinned`` the GPU writes
         straight into host RAM: no GPU-sized temporary."""
+        if not callable(fn):
+            raise GadgetTypeError(
+                f"init_ takes a function that fills a tensor in place (e.g. "
+                f"torch.nn.init.xavier_uniform_); got {type(fn).__name__} {fn!r:.60}"
+            )
         self._check_no_waiting_lookup("filling this table")
         self._store.apply_(fn, *args, **kwargs)
         return self
@@ -850,6 +856,7 @@ class DataGadget:
         GadgetValueError, GadgetKeyError
             Bad options (unknown compression, a level out of range, ...).
         """
+        path = as_path(path)
         self._store.check_open()
         self._store.synchronize()
         backing = getattr(self._store, "path", None) if self.placement == "file" else None
@@ -870,7 +877,7 @@ class DataGadget:
             kwargs["dataset"] = dataset
         sink = _io.open_sink(path, self.shape, self.dtype, format=format, **kwargs)
         try:
-            _io.save_from(self._store, sink, progress=progress, desc=f"save {os.fspath(path)}")
+            _io.save_from(self._store, sink, progress=progress, desc=f"save {as_path(path)}")
         except BaseException:
             # an interrupt held until after the new file took its place (see
             # interrupts_deferred): read the new file, then let the interrupt through
@@ -886,7 +893,7 @@ class DataGadget:
 
         As ``numpy.save`` (which SpeedTorch used), ``.npy`` is appended to a name that
         does not end with it: ``saveCupy("emb")`` writes ``emb.npy``."""
-        path = os.fspath(saveFileName)
+        path = as_path(saveFileName)
         if not path.endswith(".npy"):
             path += ".npy"
         self.save(path, format="npy")
@@ -917,10 +924,10 @@ class DataGadget:
         self._store.check_open()  # a closed table stays closed: no new store behind it
         self._check_no_waiting_lookup("loading a file into this table")
         if getattr(self._store, "load_in_place", False):
-            self._load_in_place(os.fspath(path), dataset, format, progress)
+            self._load_in_place(as_path(path), dataset, format, progress)
             return
         new = self._open_file(
-            os.fspath(path),
+            as_path(path),
             self.placement if self.placement != "file" else self._placement_requested,
             dataset,
             format,
@@ -935,10 +942,12 @@ class DataGadget:
             and (tuple(new.shape) != self.shape or new.dtype != self.dtype)
         ):
             got = f"{tuple(new.shape)} {dtype_name(new.dtype)}"
+            same_shape = tuple(new.shape) == self.shape
             new.close()
-            raise GadgetValueError(
-                f"{os.fspath(path)} holds {got}; this table belongs to an OffloadedEmbedding "
-                f"and must keep its {self.shape} {dtype_name(self.dtype)} (nothing was changed)"
+            raise table_mismatch(
+                same_shape,
+                f"{as_path(path)} holds {got}; this table belongs to an OffloadedEmbedding "
+                f"and must keep its {self.shape} {dtype_name(self.dtype)} (nothing was changed)",
             )
         old, self._store = self._store, new
         old.close()
@@ -949,10 +958,11 @@ class DataGadget:
         source = _io.open_source(path, format=fmt, dataset=dataset)
         try:
             if tuple(source.shape) != self.shape or source.dtype != self.dtype:
-                raise GadgetValueError(
+                raise table_mismatch(
+                    tuple(source.shape) == self.shape,
                     f"{path} holds {tuple(source.shape)} {dtype_name(source.dtype)}; this table "
                     f"shares its rows with its optimizer state and is loaded in place, so the "
-                    f"file must hold {self.shape} {dtype_name(self.dtype)}"
+                    f"file must hold {self.shape} {dtype_name(self.dtype)}",
                 )
             self._store.check_writable()
             # read into a staging copy first, so a file that fails part-way (a corrupt

@@ -169,7 +169,7 @@ def test_extra_state_table_keeps_the_switchers_dtype(tmp_path):
     res = _switch_run("float32", lr=0.1, momentum=0.0)
     try:
         gl.load_checkpoint(tmp_path / "ck", {"e": res[2], "eo": res[3], "opt": res[1]})
-    except gl.GadgetValueError:
+    except (gl.GadgetValueError, gl.GadgetTypeError):  # (a dtype-only mismatch: TypeError)
         assert "momentum_buffer" not in res[3].pager.tables  # refused, nothing added: fine
         return
     assert res[3].tables["momentum_buffer"].dtype == torch.float32  # got float64

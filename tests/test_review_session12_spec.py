@@ -37,6 +37,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
+from speedtorch_loop import speedtorch_step
 from torch import nn
 
 import gadgetloader as gl
@@ -301,18 +302,7 @@ def _train(parts, batches):
     model, opt, u, v, uo, vo = parts
     losses = []
     for c, p, n in batches:
-        lc = u.beforeForwardPass(c)
-        uo.beforeForwardPass(c)
-        lp, ln = v.beforeForwardPass(p, n)
-        vo.beforeForwardPass(p, n)
-        loss = model(lc, lp, ln)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        u.afterOptimizerStep(c)
-        uo.afterOptimizerStep(c)
-        v.afterOptimizerStep(p, n)
-        vo.afterOptimizerStep(p, n)
+        loss = speedtorch_step(model, opt, u, uo, v, vo, c, p, n)
         losses.append(float(loss.detach()))
     return losses
 
@@ -1074,18 +1064,7 @@ def test_nested_variable_names_and_a_dense_parameter():
     ref_opt = torch.optim.Adamax([bias], **kw)
     scal: list[dict | None] = [None, None]
     for c, p, n in _batches(5):
-        lc = u.beforeForwardPass(c)
-        uo.beforeForwardPass(c)
-        lp, ln = v.beforeForwardPass(p, n)
-        vo.beforeForwardPass(p, n)
-        loss = model(lc, lp, ln)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        u.afterOptimizerStep(c)
-        uo.afterOptimizerStep(c)
-        v.afterOptimizerStep(p, n)
-        vo.afterOptimizerStep(p, n)
+        loss = speedtorch_step(model, opt, u, uo, v, vo, c, p, n)
         # reference step
         c, p, n = c.cpu(), p.cpu(), n.cpu()
         uu, iu = torch.unique(c.reshape(-1), return_inverse=True)

@@ -148,7 +148,7 @@ def test_load_torch_accepts_nan_in_an_exactly_converting_file(tmp_path):
     assert np.isnan(got[0, 0]) and got[1, 1] == 0.5 and got.dtype == np.float32
     y[2, 2] = 0.1  # not exact in float32: refused, nothing written
     torch.save(y, tmp_path / "inexact.pt")
-    with pytest.raises(gl.GadgetValueError, match="converts exactly"):
+    with pytest.raises(gl.GadgetTypeError, match="converts exactly"):
         pf.loadTorch(str(tmp_path / "inexact.pt"))
     assert pf.getNumpyVersion()[2, 2] == 0
 

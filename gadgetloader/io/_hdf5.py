@@ -366,10 +366,14 @@ class Hdf5Source(ArraySource):
                 names = _datasets_in(f, h5py) if dataset is None else None
                 if dataset is None:
                     assert names is not None
-                    if len(names) != 1:
-                        what = "no datasets" if not names else f"{len(names)} datasets: {names}"
+                    if not names:
                         raise GadgetKeyError(
-                            f"{self.path} holds {what}; pass dataset= to choose one"
+                            f"{self.path} holds no datasets: there is no table in it to open"
+                        )
+                    if len(names) != 1:
+                        raise GadgetKeyError(
+                            f"{self.path} holds {len(names)} datasets: {names}; pass dataset= "
+                            "to choose one"
                         )
                     dataset = names[0]
                 try:
@@ -420,6 +424,11 @@ class Hdf5Source(ArraySource):
                 else:
                     self.chunk_rows = max(1, _CONTIGUOUS_BLOCK_BYTES // max(1, self.row_nbytes))
                 self._direct = self._direct_mode(obj, chunks)
+                #: the file's size when it was opened (again after this process wrote to it):
+                #: a file rewritten in place at a smaller size is caught before a read,
+                #: which HDF5 would otherwise fill with zeros past the end of the file
+                self._floor = self._file_size()
+                self._floor_writes = _WRITES.get(self._realpath(), 0)
             except BaseException:
                 self.close()
                 raise
@@ -485,8 +494,47 @@ class Hdf5Source(ArraySource):
     def _dataset(self) -> Any:
         if self._ds is None or self._pid != os.getpid():
             f = self._open_file()
-            self._ds = f[self.dataset]
+            ds = f.get(self.dataset)
+            if (
+                ds is None
+                or not hasattr(ds, "shape")
+                or tuple(ds.shape or ()) != self.shape
+                or ds.dtype != self._stored
+            ):
+                got = "no such dataset" if ds is None else f"{ds.shape} {ds.dtype}"
+                raise GadgetFileError(
+                    f"{self.path}[{self.dataset!r}] changed since this table opened it (it held "
+                    f"{self.shape} {self._stored}, now {got}); was the file rewritten? open it again"
+                )
+            self._ds = ds
+        self._check_not_shrunk()
         return self._ds
+
+    def _file_size(self) -> int | None:
+        """The size of the file this source's HDF5 handle reads (None where unknown)."""
+        if getattr(self, "external", False) or self._file is None:
+            return None
+        try:
+            return os.fstat(self._file.id.get_vfd_handle()).st_size
+        except Exception:  # a driver without a file descriptor
+            return None
+
+    def _check_not_shrunk(self) -> None:
+        """Raise if the open file is now smaller than when this table opened it (or last
+        wrote to it): HDF5 reads past the end of a file as zeros, which would pass for rows."""
+        size = self._file_size()
+        if size is None:
+            return
+        seen = _WRITES.get(self._realpath(), 0)
+        floor = getattr(self, "_floor", None)
+        if floor is None or seen != getattr(self, "_floor_writes", 0):
+            self._floor, self._floor_writes = size, seen  # this process wrote: a new floor
+            return
+        if size < floor:
+            raise GadgetFileError(
+                f"{self.path} shrank from {floor} to {size} bytes since this table opened it "
+                "(was it rewritten in place?); open it again"
+            )
 
     def _guard(self) -> threading.RLock:
         if self._lock_pid != os.getpid():  # a lock inherited through a fork may be held

@@ -18,6 +18,7 @@ from .._errors import (
     GadgetTypeError,
     GadgetValueError,
 )
+from .._paths import as_path
 from ._base import ArraySink, ArraySource
 from ._hdf5 import Hdf5Sink, Hdf5Source, is_hdf5
 from ._npy import NpySink, NpySource, is_npy
@@ -102,7 +103,7 @@ def open_source(
 
     Sources keep the absolute path: they open or map the file lazily, which must not
     depend on the process's working directory at that time."""
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.abspath(as_path(path))
     try:
         fmt = _check_format(format) if format else guess_format(path)
         if not os.path.exists(path):
@@ -127,6 +128,7 @@ def open_sink(
     **kwargs: Any,
 ) -> ArraySink:
     """Start writing a ``shape`` / ``dtype`` array to ``path`` (atomically, on commit)."""
+    path = as_path(path)
     fmt = _check_format(format) if format else guess_format(Path(path), must_exist=False)
     factory = _REGISTRY[fmt][1]
     _check_dataset(kwargs.get("dataset"))
@@ -136,7 +138,7 @@ def open_sink(
         unknown = sorted(set(options) - accepted)
         if unknown:
             raise GadgetTypeError(
-                f"saving {os.fspath(path)!r} as {fmt}: unexpected option(s) {unknown}; "
+                f"saving {as_path(path)!r} as {fmt}: unexpected option(s) {unknown}; "
                 f"{fmt} accepts {sorted(accepted) or 'no options'}"
             )
     return factory(path, shape, dtype, **options)

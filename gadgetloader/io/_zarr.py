@@ -198,10 +198,15 @@ class ZarrSource(ArraySource):
             if arr is None:
                 arrays = self._group_arrays(zarr, node)
                 if dataset is None:
-                    if len(arrays) != 1:
-                        what = "no arrays" if not arrays else f"{len(arrays)} arrays: {arrays}"
+                    if not arrays:
                         raise GadgetKeyError(
-                            f"{self.path} is a zarr group holding {what}; pass dataset= to choose one"
+                            f"{self.path} is a zarr group holding no arrays: there is no table "
+                            "in it to open"
+                        )
+                    if len(arrays) != 1:
+                        raise GadgetKeyError(
+                            f"{self.path} is a zarr group holding {len(arrays)} arrays: "
+                            f"{arrays}; pass dataset= to choose one"
                         )
                     dataset = arrays[0]
                 dataset = dataset.strip("/")

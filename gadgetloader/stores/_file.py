@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._dtypes import numpy_dtype
+from .._dtypes import dtype_name, numpy_dtype
 from .._errors import GadgetFileError, GadgetTypeError, GadgetValueError, ReadOnlyError
 from .._ids import last_writer
 from ..io import open_source
@@ -159,8 +159,8 @@ class FileStore(Store):
     Threads may share a store: every read and write holds a lock per file. Every
     call also checks that the file is still the one the store opened: a file replaced
     on disk (another ``save``, or any program that writes a new file and renames it over
-    the name), deleted, or a .npy (or an uncompressed HDF5 file read through a memory
-    map) truncated below its size raises
+    the name), deleted, a .npy or HDF5 file truncated (or rewritten in place) below its
+    size, or a file reopened with another shape or dtype raises
     :class:`~gadgetloader.GadgetFileError` (open the new file with a new table, or
     ``DataGadget.load``) instead of mixing two files' rows. A program that rewrites the
     same file in place at the same or a larger size is not detected.
@@ -384,9 +384,7 @@ class FileStore(Store):
                 self._src.close()  # one handle per file: HDF5 refuses 'r+' beside an open 'r'
             self._src = None
             try:
-                self._src = open_source(
-                    self._path, format=self._format, dataset=self._dataset, mode="r+"
-                )
+                self._src = self._reopen("r+")
             except BaseException:
                 # refused (the file is open read-only elsewhere, locked, ...): reads go
                 # on reopening it read-only, as before this call
@@ -394,10 +392,21 @@ class FileStore(Store):
                 raise
             self._src_mode = "r+"
         if self._src is None:
-            self._src = open_source(
-                self._path, format=self._format, dataset=self._dataset, mode=self._src_mode
-            )
+            self._src = self._reopen(self._src_mode)
         return self._src
+
+    def _reopen(self, mode: str) -> ArraySource:
+        """The file opened again; refused if it no longer holds this table's shape and
+        dtype (rewritten since the table opened it: its rows would be someone else's)."""
+        src = open_source(self._path, format=self._format, dataset=self._dataset, mode=mode)
+        if tuple(src.shape) != tuple(self.shape) or src.dtype != self.dtype:
+            got = f"{tuple(src.shape)} {dtype_name(src.dtype)}"
+            src.close()
+            raise GadgetFileError(
+                f"{self._path} changed since this table opened it: it held {tuple(self.shape)} "
+                f"{dtype_name(self.dtype)}, now {got}; open it again"
+            )
+        return src
 
     def __getstate__(self) -> dict[str, Any]:
         if self._src_mode == "r+" and self._src is not None and self._pid == os.getpid():

@@ -35,7 +35,9 @@ from .._errors import (
     GadgetKeyError,
     GadgetTypeError,
     GadgetValueError,
+    table_mismatch,
 )
+from .._paths import as_path
 from ..gadget import DataGadget
 from ..io._stream import STAGING_BYTES, blocks
 from . import _embedding
@@ -70,9 +72,13 @@ def _check_objects(objects: Any, what: str) -> None:
             f"{{'model': model, 'optimizer': opt}}; got {type(objects).__name__}"
         )
     for name in objects:
+        if not isinstance(name, str):
+            raise GadgetTypeError(
+                f"{what}: object names start the checkpoint's file names, so each must be a "
+                f"str; got {type(name).__name__} {name!r}"
+            )
         if (
-            not isinstance(name, str)
-            or name in ("", ".", "..")
+            name in ("", ".", "..")
             or "/" in name
             or "\\" in name
             or "\0" in name
@@ -257,7 +263,7 @@ def save_checkpoint(
             table.store.check_open()  # a closed table: refused before the directory exists
     metas = {name: _encode_numpy(meta) for name, (_, _, meta) in parts.items()}
     _check_loadable(metas)  # before anything is written, the directory included
-    d = os.fspath(directory)
+    d = as_path(directory)
     if os.path.exists(d) and not os.path.isdir(d):
         raise GadgetFileError(
             f"save_checkpoint: {d} is an existing file; expected a directory (or a path "
@@ -497,9 +503,10 @@ def _check_shape(shape: tuple[int, ...], path: str, fmt: str, dtype: torch.dtype
     finally:
         src.close()
     if got != shape or got_dtype != dtype:
-        raise GadgetValueError(
+        raise table_mismatch(
+            got == shape,
             f"{path} holds a {got} {dtype_name(got_dtype)} table; expected a {shape} "
-            f"{dtype_name(dtype)} one (the dtype of this optimizer's other state tables)"
+            f"{dtype_name(dtype)} one (the dtype of this optimizer's other state tables)",
         )
 
 
@@ -513,8 +520,9 @@ def _check_table(table: DataGadget, path: str, fmt: str) -> None:
     finally:
         src.close()
     if shape != table.shape or dtype != table.dtype:
-        raise GadgetValueError(
-            f"{path} holds a {shape} {dtype_name(dtype)} table; expected {table.shape} {dtype_name(table.dtype)}"
+        raise table_mismatch(
+            shape == table.shape,
+            f"{path} holds a {shape} {dtype_name(dtype)} table; expected {table.shape} {dtype_name(table.dtype)}",
         )
 
 
@@ -651,7 +659,7 @@ def load_checkpoint(
     _check_objects(objects, "load_checkpoint")
     if not isinstance(verify, bool):
         raise GadgetTypeError(f"verify must be True or False; got {verify!r}")
-    d = os.fspath(directory)
+    d = as_path(directory)
     meta_path = os.path.join(d, _META)
     if not os.path.exists(meta_path):
         if os.path.exists(d) and not os.path.isdir(d):

@@ -20,8 +20,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import io as _io
 from .._dtypes import as_torch_dtype, dtype_name
-from .._errors import GadgetTypeError, GadgetValueError, as_count
+from .._errors import GadgetTypeError, GadgetValueError, as_count, table_mismatch
 from .._ids import as_ids
+from .._paths import as_path
 from ..gadget import DataGadget
 from ..stores._base import gather_many as gather_stores
 from ._rows import DUPLICATE_MODES, PlanCache, RowPlan, plan_rows, same_rows, split_local
@@ -412,16 +413,17 @@ class ModelSwitch:
 
     def _load_checked(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
         src = _io.open_source(
-            os.fspath(path), format=kwargs.get("format"), dataset=kwargs.get("dataset")
+            as_path(path), format=kwargs.get("format"), dataset=kwargs.get("dataset")
         )
         try:
             shape, dtype = tuple(src.shape), src.dtype
         finally:
             src.close()
         if shape != self.table.shape or dtype != self.table.dtype:
-            raise GadgetValueError(
-                f"{os.fspath(path)} holds a {shape} {dtype_name(dtype)} table; expected "
-                f"{self.table.shape} {dtype_name(self.table.dtype)}"
+            raise table_mismatch(
+                shape == self.table.shape,
+                f"{as_path(path)} holds a {shape} {dtype_name(dtype)} table; expected "
+                f"{self.table.shape} {dtype_name(self.table.dtype)}",
             )
         self.table.load(path, **kwargs)
 
@@ -436,7 +438,7 @@ class ModelSwitch:
     def loadTorch(self, loadFileName: str | os.PathLike[str]) -> None:
         """Load a table saved with :meth:`saveTorch` (shape and dtype must match)."""
         t = load_torch_file(loadFileName)
-        t = check_tensor(t, os.fspath(loadFileName), self.table.shape, self.table.dtype)
+        t = check_tensor(t, as_path(loadFileName), self.table.shape, self.table.dtype)
         self.table.store.write_block(0, t)
         self.table.store.synchronize()
 

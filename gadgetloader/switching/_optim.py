@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .._errors import GadgetKeyError, GadgetTypeError, GadgetValueError, as_count
+from .._paths import as_path
 from ..gadget import DataGadget
 from ..stores import Store
 from ..stores._base import FusedRows
@@ -1013,6 +1014,11 @@ class OptimizerSwitch:
     def customInit(self, initFunction: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Fill every state table with an in-place torch initializer, e.g.
         ``customInit(torch.nn.init.constant_, 0.1)`` for an Adagrad accumulator."""
+        if not callable(initFunction):
+            raise GadgetTypeError(
+                "customInit takes a function that fills a tensor in place (e.g. "
+                f"torch.nn.init.constant_); got {type(initFunction).__name__}"
+            )
         pager = self._need_pager()
         for t in pager.tables.values():
             t.init_(initFunction, *args, **kwargs)
@@ -1029,7 +1035,7 @@ class OptimizerSwitch:
         or (SpeedTorch's layout) a list of tensors in :attr:`tables` order. Names, shapes
         and dtypes must match; everything is checked before any table is written."""
         tables = self._need_pager().tables
-        path = os.fspath(loadFileName)
+        path = as_path(loadFileName)
         got = load_torch_file(path)
         if isinstance(got, (list, tuple)):
             if len(got) != len(tables):

@@ -7,7 +7,14 @@ from typing import Any
 
 import torch
 
-from .._errors import GadgetFileError, GadgetFileNotFoundError, GadgetValueError, ReadOnlyError
+from .._errors import (
+    GadgetFileError,
+    GadgetFileNotFoundError,
+    GadgetTypeError,
+    GadgetValueError,
+    ReadOnlyError,
+)
+from .._paths import as_path
 from ..io._atomic import remove_path, replace_atomically, resolved_target, temp_path_beside
 
 __all__ = ["check_tensor", "load_torch_file", "save_torch_file", "table_tensor"]
@@ -16,10 +23,10 @@ __all__ = ["check_tensor", "load_torch_file", "save_torch_file", "table_tensor"]
 def save_torch_file(obj: Any, path: str | os.PathLike[str]) -> None:
     """``torch.save(obj, path)`` written beside ``path`` and renamed over it, so a save
     that fails part-way leaves any previous file whole."""
-    target = os.fspath(path)
+    target = as_path(path)
     if os.path.isdir(target):
         raise GadgetValueError(f"saveTorch needs a file path; {target} is a directory")
-    folder = os.fspath(resolved_target(os.path.abspath(target)).parent)  # a link: its file's
+    folder = as_path(resolved_target(os.path.abspath(target)).parent)  # a link: its file's
     if not os.path.isdir(folder):
         raise GadgetFileNotFoundError(f"directory {folder} does not exist (saving {target})")
     if not os.access(folder, os.W_OK | os.X_OK):
@@ -35,7 +42,7 @@ def save_torch_file(obj: Any, path: str | os.PathLike[str]) -> None:
 
 def load_torch_file(path: str | os.PathLike[str]) -> Any:
     """What ``torch.save`` wrote to ``path`` (tensors and containers only, on the CPU)."""
-    p = os.fspath(path)
+    p = as_path(path)
     if not os.path.exists(p):
         raise GadgetFileNotFoundError(f"{p} does not exist")
     if not os.path.isfile(p):
@@ -75,7 +82,7 @@ def check_tensor(t: Any, what: str, shape: tuple[int, ...], dtype: torch.dtype) 
         # NaN converts exactly too (but is unequal to itself)
         if bool(((back == t) | (torch.isnan(back) & torch.isnan(t))).all()):
             return cast
-    raise GadgetValueError(
+    raise GadgetTypeError(
         f"{what} holds a {dtype_name(t.dtype)} tensor; expected {dtype_name(dtype)} "
         "(the table's dtype; another float dtype is taken only where every value converts exactly)"
     )
