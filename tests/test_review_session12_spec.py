@@ -198,7 +198,9 @@ CONFIGS = [
     ("Adadelta", {"lr": 1.0}),
     ("RMSprop", {"lr": 0.01, "momentum": 0.5, "centered": True}),
     ("Rprop", {"lr": 0.02}),
-    ("ASGD", {"lr": 0.05, "t0": 1, "lambd": 1e-3}),
+    # foreach pinned: torch's foreach ASGD (CUDA's default) and its single-tensor form (the CPU
+    # reference's) differ by ~5e-8 relative in float64 after a few steps
+    ("ASGD", {"lr": 0.05, "t0": 1, "lambd": 1e-3, "foreach": False}),
     ("Adagrad", {"lr": 0.1, "lr_decay": 0.01, "initial_accumulator_value": 0.1}),
 ]
 

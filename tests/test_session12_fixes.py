@@ -122,3 +122,46 @@ def test_speedtorch_device_type_takes_torch_device_forms(device_type, pin, expec
 def test_speedtorch_device_type_refuses_other_values(device_type):
     with pytest.raises(gl.GadgetValueError, match="deviceType"):
         gl.PytorchModelFactory(torch.nn.Embedding(4, 3), 10, 3, "float32", device_type)
+
+
+def test_optimizer_switcher_called_first_plans_afresh_each_step(monkeypatch):
+    """An optimizer switcher whose beforeForwardPass runs before the model switcher's starts
+    the step's plan afresh: an id buffer refilled where torch cannot see it (CuPy writes to a
+    CUDA tensor leave its version counter alone; emulated here by fingerprinting tensors by
+    identity only) must not reuse last step's plan. Checked against the usual order."""
+    from gadgetloader.switching import _rows
+
+    def blind(x):  # what a CUDA tensor refilled through CuPy looks like to the cache
+        return () if x is None else (id(x), tuple(x.shape))
+
+    def train(optimizer_first: bool) -> tuple[np.ndarray, np.ndarray]:
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(6, 3)
+        model = torch.nn.ModuleDict({"e": emb})
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        sw = gl.PytorchModelFactory(emb, 40, 3, "float32", "cpu")
+        sw.uniformDistributionInit(-0.5, 0.5)
+        osw = gl.PytorchOptimizerFactory(opt, 40, 3, model, "e", "float32", "cpu")
+        osw.optInit()
+        buf = torch.zeros(6, dtype=torch.int64)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            buf.numpy()[:] = torch.randint(0, 40, (6,), generator=g).numpy()  # no version bump
+            if optimizer_first:
+                osw.beforeForwardPass(buf)
+                local = sw.beforeForwardPass(buf)
+            else:
+                local = sw.beforeForwardPass(buf)
+                osw.beforeForwardPass(buf)
+            opt.zero_grad()
+            (emb(local) ** 2).sum().backward()
+            opt.step()
+            osw.afterOptimizerStep(buf)
+            sw.afterOptimizerStep(buf)
+        return sw.getNumpyVersion(), osw.getNumpyVersion()["exp_avg"]
+
+    monkeypatch.setattr(_rows, "_fingerprint", blind)
+    usual = train(False)
+    first = train(True)
+    np.testing.assert_array_equal(first[0], usual[0])
+    np.testing.assert_array_equal(first[1], usual[1])

@@ -166,6 +166,9 @@ class ModelSwitch:
         self._cache = PlanCache()
         self._capacity = 0
         self._loaded: RowPlan | None = None
+        #: beforeForwardPass ran and afterOptimizerStep has not yet: a step is under way
+        #: (an optimizer switcher called first in a step starts the plan afresh otherwise)
+        self._in_step = False
         #: the optimizer switcher's pager when its states are interleaved with the table
         self._pager: Any = None
         #: (plan, state rows, pager, its generation) gathered with the rows, for the
@@ -283,6 +286,7 @@ class ModelSwitch:
             on the variable's device; a pair when negatives are given.
         """
         self._cache.clear()  # a step starts from the ids as they are now
+        self._in_step = True
         if self._padding_id is not None and self.duplicates != "merge":
             raise GadgetValueError(
                 f"the model variable has padding_idx={self._padding_id}, which needs "
@@ -352,6 +356,7 @@ class ModelSwitch:
 
     def afterOptimizerStep(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:
         """Scatter the model variable's rows back into the table."""
+        self._in_step = False
         plan = self.plan(retrievedPosIndexes, retrievedNegIndexes)
         loaded = self._loaded
         if loaded is None or not same_rows(plan, loaded):

@@ -1119,6 +1119,10 @@ class OptimizerSwitch:
         sw = switch_for(self.param)
         if sw is None:
             self._own_cache.clear()  # a step starts from the ids as they are now
+        elif not sw._in_step:
+            # called before the model switcher in this step: its plan of the last step must
+            # not be reused (an id buffer refilled through CuPy keeps torch's version)
+            sw._cache.clear()
         plan = self._plan(retrievedPosIndexes, retrievedNegIndexes)
         prefetched = sw.take_prefetched(plan) if sw is not None else None
         pager.load(
