@@ -91,8 +91,10 @@ def as_torch_dtype(dtype: Any) -> torch.dtype:
                     " (torch cannot index unsigned integers wider than 8 bits on every "
                     "version gadgetloader supports; "
                     + (
-                        f"convert the array first, e.g. DataGadget(arr, dtype='{wider}') "
-                        f"or arr.astype('{wider}'), or convert the file to {wider})"
+                        f"pass dtype='{wider}' to convert it on the way in, e.g. "
+                        f"DataGadget(arr_or_file, dtype='{wider}') (arrays, tensors, and files "
+                        f"loaded into memory; refused if a value does not fit), or convert the "
+                        f"file to {wider} for placement='file')"
                         if wider
                         else "convert to int64 where the values fit)"
                     )

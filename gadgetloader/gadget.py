@@ -98,8 +98,9 @@ def _is_shape(obj: Any) -> bool:
     )
 
 
-def _unsigned_to(a: np.ndarray, target: torch.dtype) -> np.ndarray:
-    """A uint16/32/64 array (no torch table dtype) as ``target``, if every value fits."""
+def _unsigned_to(a: np.ndarray, target: torch.dtype, where: str = "the source array") -> np.ndarray:
+    """A uint16/32/64 array (no torch table dtype) as ``target``, if every value fits
+    (``where``: what holds the values, for the message)."""
     if target == torch.bfloat16:  # no NumPy bfloat16: through float32, which holds any uint64
         return a.astype(np.float32)
     npd = numpy_dtype(target)
@@ -113,7 +114,8 @@ def _unsigned_to(a: np.ndarray, target: torch.dtype) -> np.ndarray:
         top = int(np.iinfo(npd).max) if npd.kind in "iu" else float(np.finfo(npd).max)
         if hi > top:
             raise GadgetValueError(
-                f"the source array holds values up to {hi}, beyond {dtype_name(target)}'s range"
+                f"{where} holds values up to {hi}, beyond {dtype_name(target)}'s range "
+                "(nothing was loaded)"
             )
     return a.astype(npd)
 
@@ -140,7 +142,9 @@ class DataGadget:
         float32, int64 -> float32; values must fit the new type's range: an integer
         out of range, or a finite value that would become ``inf``, raises
         ``GadgetValueError``), and raises ``GadgetTypeError`` for a cast that would
-        truncate (float -> int): convert such data yourself. A file source must already hold ``dtype``.
+        truncate (float -> int): convert such data yourself. A file source must already hold
+        ``dtype``, except a uint16/32/64 file (no table dtype holds those) loaded into
+        memory (not ``placement='file'``): it converts as such an array would.
     device : str or torch.device, optional
         Where :meth:`getData` delivers rows: the current CUDA device by default, the
         CPU where CUDA is missing.
@@ -338,9 +342,14 @@ class DataGadget:
         dtype: Any,
         options: dict[str, Any],
     ) -> Store:
-        source = _io.open_source(path, format=fmt, dataset=dataset)
+        # with dtype=, a uint16/32/64 file (no table holds those) is read as bits and
+        # converted on the way in, as an array of those dtypes would be
+        extra = {"wide_unsigned": True} if dtype is not None and placement != "file" else {}
+        source = _io.open_source(path, format=fmt, dataset=dataset, **extra)
+        wide = source.unsigned_bits
+        table_dtype = source.dtype if wide is None else as_torch_dtype(dtype)
         try:
-            if dtype is not None and as_torch_dtype(dtype) != source.dtype:
+            if wide is None and dtype is not None and as_torch_dtype(dtype) != source.dtype:
                 raise GadgetTypeError(
                     f"{path} holds {dtype_name(source.dtype)} but dtype={dtype!r} was requested"
                 )
@@ -356,17 +365,24 @@ class DataGadget:
                 raise GadgetTypeError(
                     f"unexpected options for an in-memory placement: {sorted(options)}"
                 )
+            if wide is not None:
+                _unsigned_to(np.zeros(0, dtype=wide), table_dtype)  # a numeric target
             store = empty_store(
                 placement,
                 source.shape,
-                source.dtype,
+                table_dtype,
                 self._device if self._device.type == "cuda" else None,
             )
         except BaseException:
             source.close()
             raise
         try:
-            _io.load_into(source, store, progress=progress)
+            if wide is None:
+                _io.load_into(source, store, progress=progress)
+            else:
+                _io.load_converted(
+                    source, store, lambda a: _unsigned_to(a, table_dtype, path), progress=progress
+                )
         except BaseException:
             store.close()
             raise

@@ -165,3 +165,57 @@ def test_optimizer_switcher_called_first_plans_afresh_each_step(monkeypatch):
     first = train(True)
     np.testing.assert_array_equal(first[0], usual[0])
     np.testing.assert_array_equal(first[1], usual[1])
+
+
+def _unsigned_file(tmp_path, fmt: str, a: np.ndarray) -> str:
+    if fmt == "npy":
+        p = str(tmp_path / "u.npy")
+        np.save(p, a)
+    elif fmt == "hdf5":
+        import h5py
+
+        p = str(tmp_path / "u.h5")
+        with h5py.File(p, "w") as f:
+            f.create_dataset("x", data=a, chunks=(3, a.shape[1]))
+    else:
+        zarr = pytest.importorskip("zarr")
+        p = str(tmp_path / "u.zarr")
+        z = zarr.open_array(p, mode="w", shape=a.shape, dtype=a.dtype, chunks=(3, a.shape[1]))
+        z[:] = a
+    return p
+
+
+@pytest.mark.parametrize("fmt", ["npy", "hdf5", "zarr"])
+@pytest.mark.parametrize(
+    ("file_dtype", "target"),
+    [("uint16", "int32"), ("uint32", "int64"), ("uint64", "int64"), ("uint32", "float64")],
+)
+def test_wide_unsigned_files_convert_with_dtype(tmp_path, placement, fmt, file_dtype, target):
+    """A uint16/32/64 file converts into a memory table with dtype=, values exact (numpy
+    reference), on every placement; the rows come back through getData too."""
+    hi = np.iinfo(file_dtype).max if file_dtype != "uint64" else np.iinfo(np.int64).max
+    a = np.array([[0, 1, 2], [hi, hi - 1, 7], *[[i, i * 3, i * 7] for i in range(3, 10)]])
+    a = a.astype(file_dtype)  # (uint32 values are exact in float64)
+    p = _unsigned_file(tmp_path, fmt, a)
+    g = gl.DataGadget(p, dtype=target, placement=placement, dataset="x" if fmt == "hdf5" else None)
+    assert g.dtype == getattr(torch, target) and g.shape == a.shape
+    ref = a.astype(target)
+    np.testing.assert_array_equal(g.getNumpyVersion(), ref)
+    np.testing.assert_array_equal(g.getData([1, 8, 1]).cpu().numpy(), ref[[1, 8, 1]])
+
+
+@pytest.mark.parametrize("fmt", ["npy", "hdf5", "zarr"])
+def test_wide_unsigned_file_values_that_do_not_fit_are_refused(tmp_path, fmt):
+    a = np.array([[1, 2], [3, 2**31]], dtype=np.uint32)
+    p = _unsigned_file(tmp_path, fmt, np.repeat(a, 4, axis=0))
+    kw = {"dataset": "x"} if fmt == "hdf5" else {}
+    before = open_fds()
+    with pytest.raises(gl.GadgetValueError, match="2147483648.*int32"):
+        gl.DataGadget(p, dtype="int32", placement="cpu", **kw)
+    with pytest.raises(gl.GadgetTypeError, match="int64"):  # no dtype=: refused with advice
+        gl.DataGadget(p, placement="cpu", **kw)
+    with pytest.raises(gl.GadgetTypeError, match="placement='file'"):  # read as it is: refused
+        gl.DataGadget(p, dtype="int64", placement="file", **kw)
+    with pytest.raises(gl.GadgetTypeError, match="numeric"):
+        gl.DataGadget(p, dtype="bool", placement="cpu", **kw)
+    assert open_fds() == before

@@ -7,7 +7,7 @@ from ._base import ArraySink, ArraySource, SourceShape
 from ._hdf5 import Hdf5Sink, Hdf5Source, is_hdf5
 from ._npy import NpySink, NpySource, is_npy
 from ._open import FORMATS, guess_format, open_sink, open_source, register_format
-from ._stream import load_into, save_from
+from ._stream import load_converted, load_into, save_from
 from ._zarr import ZarrSink, ZarrSource, is_zarr
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "is_hdf5",
     "is_npy",
     "is_zarr",
+    "load_converted",
     "load_into",
     "replace_atomically",
     "save_from",

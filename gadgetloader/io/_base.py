@@ -58,6 +58,12 @@ class ArraySource(abc.ABC):
         """Whether this file's rows can be written in place (:meth:`write_rows`)."""
         return self.supports_writes
 
+    #: set by sources opened with ``wide_unsigned=True`` over a uint16/32/64 array (which no
+    #: table dtype holds): the array's NumPy dtype. ``dtype`` is then the signed carrier of
+    #: the same size, and rows must be read into arrays of this dtype and converted
+    #: (:func:`~gadgetloader.io.load_converted`)
+    unsigned_bits: np.dtype | None = None
+
     def read_only_reason(self) -> str | None:
         """Why this file's rows cannot be written in place (None when they can)."""
         if self.writes_in_place():

@@ -52,9 +52,24 @@ __all__ = [
 CHUNK_BYTES = 1 << 20
 
 
-def table_dtype(npd: np.dtype, marked_bfloat16: bool, where: str) -> torch.dtype:
+#: the signed integer of each wide unsigned one's size: the bits a uint16/32/64 file is read
+#: as when it is converted on the way into a table (see ``wide_unsigned``)
+CARRIERS: dict[int, torch.dtype] = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def unsigned_carrier(npd: np.dtype, wide_unsigned: bool) -> torch.dtype | None:
+    """With ``wide_unsigned``, the same-size signed dtype a uint16/32/64 array is read as
+    (its bits, not its values; the reader converts them); else None."""
+    if wide_unsigned and npd.kind == "u" and npd.itemsize in CARRIERS:
+        return CARRIERS[npd.itemsize]
+    return None
+
+
+def table_dtype(
+    npd: np.dtype, marked_bfloat16: bool, where: str, wide_unsigned: bool = False
+) -> torch.dtype:
     """The table dtype of a stored array (``marked_bfloat16``: its dtype attribute says
-    the uint16 values are bfloat16 bits).
+    the uint16 values are bfloat16 bits; ``wide_unsigned``: see :func:`unsigned_carrier`).
 
     Raises
     ------
@@ -72,6 +87,9 @@ def table_dtype(npd: np.dtype, marked_bfloat16: bool, where: str) -> torch.dtype
             f"{where}: dtype {npd} (strings, objects, structured or variable-length types) "
             "cannot be a table; expected a numeric or bool dtype"
         )
+    carrier = unsigned_carrier(npd, wide_unsigned)
+    if carrier is not None:
+        return carrier
     try:
         return as_torch_dtype(npd)
     except GadgetTypeError as exc:

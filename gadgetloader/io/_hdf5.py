@@ -51,6 +51,7 @@ from ._chunks import (
     default_chunk_rows,
     for_each_chunk,
     table_dtype,
+    unsigned_carrier,
 )
 
 if TYPE_CHECKING:
@@ -326,7 +327,12 @@ class Hdf5Source(ArraySource):
     supports_writes = True
 
     def __init__(
-        self, path: str | os.PathLike[str], *, dataset: str | None = None, mode: str = "r"
+        self,
+        path: str | os.PathLike[str],
+        *,
+        dataset: str | None = None,
+        mode: str = "r",
+        wide_unsigned: bool = False,
     ) -> None:
         h5py = import_h5py()
         self.path = os.fspath(path)
@@ -410,7 +416,16 @@ class Hdf5Source(ArraySource):
                     ("hdf5", home, addr) if addr is not None else ("hdf5", home, obj.name)
                 )
                 where = f"{self.path}[{self.dataset!r}]"
-                self.dtype = table_dtype(obj.dtype, obj.attrs.get(DTYPE_ATTR) == "bfloat16", where)
+                self.dtype = table_dtype(
+                    obj.dtype, obj.attrs.get(DTYPE_ATTR) == "bfloat16", where, wide_unsigned
+                )
+                #: a uint16/32/64 dataset opened with ``wide_unsigned`` (see NpySource)
+                self.unsigned_bits = (
+                    obj.dtype.newbyteorder("=")
+                    if unsigned_carrier(obj.dtype, wide_unsigned) is not None
+                    and obj.attrs.get(DTYPE_ATTR) != "bfloat16"
+                    else None
+                )
                 if obj.shape is None or len(obj.shape) == 0:
                     raise GadgetValueError(
                         f"{where} holds a scalar; a table needs at least one axis"

@@ -24,7 +24,7 @@ from .._errors import (
 )
 from ._atomic import remove_path, replace_atomically, temp_path_beside
 from ._base import ArraySink, ArraySource
-from ._chunks import check_free_space, check_sink_target
+from ._chunks import check_free_space, check_sink_target, unsigned_carrier
 
 __all__ = ["NpySink", "NpySource", "is_npy"]
 
@@ -86,7 +86,12 @@ class NpySource(ArraySource):
     supports_writes = True
 
     def __init__(
-        self, path: str | os.PathLike[str], *, mode: str = "r", dataset: str | None = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        mode: str = "r",
+        dataset: str | None = None,
+        wide_unsigned: bool = False,
     ) -> None:
         self.path = str(path)
         if dataset is not None:
@@ -104,10 +109,18 @@ class NpySource(ArraySource):
             raise GadgetTypeError(
                 f"{self.path}: dtype {npd} cannot be a table; expected a numeric or bool dtype"
             )
-        try:
-            self.dtype = as_torch_dtype(npd)
-        except GadgetTypeError as exc:
-            raise GadgetTypeError(f"{self.path}: {exc}") from exc
+        carrier = unsigned_carrier(npd, wide_unsigned)
+        #: a uint16/32/64 file opened with ``wide_unsigned``: its dtype (native order); rows
+        #: are read into arrays of it and converted (``dtype`` is then the bits' carrier)
+        self.unsigned_bits: np.dtype | None = None
+        if carrier is not None:
+            self.dtype = carrier
+            self.unsigned_bits = npd.newbyteorder("=")
+        else:
+            try:
+                self.dtype = as_torch_dtype(npd)
+            except GadgetTypeError as exc:
+                raise GadgetTypeError(f"{self.path}: {exc}") from exc
         if len(shape) == 0:
             raise GadgetValueError(f"{self.path}: holds a scalar; a table needs at least one axis")
         self.shape = shape

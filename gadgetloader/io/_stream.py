@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import numpy as np  # noqa: F401
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -25,7 +25,7 @@ from ._base import ArraySink, ArraySource
 if TYPE_CHECKING:
     from ..stores import Store
 
-__all__ = ["STAGING_BYTES", "load_into", "progress_bar", "save_from", "blocks"]
+__all__ = ["STAGING_BYTES", "load_converted", "load_into", "progress_bar", "save_from", "blocks"]
 
 #: bytes per staging block for loads and saves
 STAGING_BYTES = 64 << 20
@@ -103,6 +103,30 @@ def load_into(source: ArraySource, store: Store, *, progress: bool | None = None
                 ev = torch.cuda.Event()
                 ev.record()
                 events[i] = ev
+            bar.update((stop - start) * source.row_nbytes)
+        store.synchronize()
+
+
+def load_converted(
+    source: ArraySource,
+    store: Store,
+    convert: Callable[[np.ndarray], np.ndarray],
+    *,
+    progress: bool | None = None,
+) -> None:
+    """Copy every row of a ``wide_unsigned`` source (see ``ArraySource.unsigned_bits``)
+    into ``store``, block by block through ``convert`` (file values -> the table's dtype;
+    it raises where a value does not fit, and the caller drops the store)."""
+    bits = source.unsigned_bits
+    assert bits is not None
+    rpb = _rows_per_block(source.row_nbytes, source.chunk_rows)
+    bar = progress_bar(source.nbytes, f"load {source.path}", progress)
+    with bar:
+        for start, stop in blocks(source.num_rows, rpb):
+            raw = np.empty((stop - start, *source.shape[1:]), dtype=bits)
+            source.read_into(start, stop, raw)
+            rows = torch.from_numpy(np.ascontiguousarray(convert(raw)))
+            store.write_block(start, rows if rows.dtype == store.dtype else rows.to(store.dtype))
             bar.update((stop - start) * source.row_nbytes)
         store.synchronize()
 

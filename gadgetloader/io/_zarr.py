@@ -51,6 +51,7 @@ from ._chunks import (
     for_each_chunk,
     fsync_tree,
     table_dtype,
+    unsigned_carrier,
 )
 
 if TYPE_CHECKING:
@@ -169,7 +170,12 @@ class ZarrSource(ArraySource):
     concurrent_reads = True
 
     def __init__(
-        self, path: str | os.PathLike[str], *, dataset: str | None = None, mode: str = "r"
+        self,
+        path: str | os.PathLike[str],
+        *,
+        dataset: str | None = None,
+        mode: str = "r",
+        wide_unsigned: bool = False,
     ) -> None:
         zarr = import_zarr()
         self.path = os.fspath(path)
@@ -231,8 +237,13 @@ class ZarrSource(ArraySource):
         self.watch_paths = (folder,)
         self.identity: tuple[Any, ...] = ("zarr", os.path.realpath(folder))
         where = f"{self.path}[{dataset!r}]" if dataset else self.path
-        self.dtype = table_dtype(
-            np.dtype(arr.dtype), arr.attrs.get(DTYPE_ATTR) == "bfloat16", where
+        marked = arr.attrs.get(DTYPE_ATTR) == "bfloat16"
+        self.dtype = table_dtype(np.dtype(arr.dtype), marked, where, wide_unsigned)
+        #: a uint16/32/64 array opened with ``wide_unsigned`` (see NpySource)
+        self.unsigned_bits = (
+            np.dtype(arr.dtype).newbyteorder("=")
+            if unsigned_carrier(np.dtype(arr.dtype), wide_unsigned) is not None and not marked
+            else None
         )
         if len(arr.shape) == 0:
             raise GadgetValueError(f"{where} holds a scalar; a table needs at least one axis")
