@@ -581,10 +581,10 @@ def test_getData_int_gives_one_row_like_cupy_indexing():
 
 
 # SPEC: "each row a fixed-shape block ..., any numeric or bool dtype"; SpeedTorch's DataGadget
-# (cupy.load) took any NumPy dtype. gadgetloader refuses uint16/32/64 and complex files, as its
-# README says (torch cannot index wide unsigned integers on every supported version; complex
-# rows are stored as real and imaginary parts): a known difference, kept because a silent
-# widening would double the table's memory. The refusal must name the way out, and an array
+# (cupy.load) took any NumPy dtype. Tables cannot hold uint16/32/64 (torch cannot index them on
+# every supported version) or complex values: a uint file converts with dtype= into a memory
+# table (tests/test_session12_fixes.py); without dtype= it is refused, and the refusal must
+# name the way out; complex files are refused (store the real and imaginary parts). An array
 # converts with dtype= exactly.
 @pytest.mark.parametrize("dtype", ["uint32", "complex64"])
 def test_wide_unsigned_and_complex_npy_files_are_refused_with_advice(tmp_path, dtype):
