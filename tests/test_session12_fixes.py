@@ -118,9 +118,18 @@ def test_speedtorch_device_type_takes_torch_device_forms(device_type, pin, expec
     assert _torch_placement(device_type, pin, None) == expected
 
 
-@pytest.mark.parametrize("device_type", ["CPU", "gpu", 0, None, "meta"])
-def test_speedtorch_device_type_refuses_other_values(device_type):
-    with pytest.raises(gl.GadgetValueError, match="deviceType"):
+@pytest.mark.parametrize(
+    ("device_type", "error"),
+    [
+        ("CPU", gl.GadgetValueError),
+        ("gpu", gl.GadgetValueError),
+        ("meta", gl.GadgetValueError),
+        (0, gl.GadgetTypeError),  # not a device string or torch.device: the wrong kind
+        (None, gl.GadgetTypeError),
+    ],
+)
+def test_speedtorch_device_type_refuses_other_values(device_type, error):
+    with pytest.raises(error, match="deviceType"):
         gl.PytorchModelFactory(torch.nn.Embedding(4, 3), 10, 3, "float32", device_type)
 
 

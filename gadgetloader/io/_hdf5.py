@@ -17,6 +17,7 @@ is abandoned unclosed -- closing it could flush the parent's state -- and reopen
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import threading
@@ -439,11 +440,6 @@ class Hdf5Source(ArraySource):
                 else:
                     self.chunk_rows = max(1, _CONTIGUOUS_BLOCK_BYTES // max(1, self.row_nbytes))
                 self._direct = self._direct_mode(obj, chunks)
-                #: the file's size when it was opened (again after this process wrote to it):
-                #: a file rewritten in place at a smaller size is caught before a read,
-                #: which HDF5 would otherwise fill with zeros past the end of the file
-                self._floor = self._file_size()
-                self._floor_writes = _WRITES.get(self._realpath(), 0)
             except BaseException:
                 self.close()
                 raise
@@ -522,33 +518,38 @@ class Hdf5Source(ArraySource):
                     f"{self.shape} {self._stored}, now {got}); was the file rewritten? open it again"
                 )
             self._ds = ds
-        self._check_not_shrunk()
         return self._ds
 
-    def _file_size(self) -> int | None:
-        """The size of the file this source's HDF5 handle reads (None where unknown)."""
-        if getattr(self, "external", False) or self._file is None:
-            return None
+    def _check_extent(self, ds: Any, start: int, stop: int) -> None:
+        """Raise if the file holding ``ds`` (this one, or the target of an external link)
+        is now shorter than rows ``start:stop`` are stored at, as this handle knows them:
+        HDF5 reads past the end of a file as zeros, which would pass for rows. Truncated
+        or replaced in place by a smaller file; a chunk another process moved is judged
+        by where this process last saw it."""
         try:
-            return os.fstat(self._file.id.get_vfd_handle()).st_size
+            size = os.fstat(ds.file.id.get_vfd_handle()).st_size
         except Exception:  # a driver without a file descriptor
-            return None
-
-    def _check_not_shrunk(self) -> None:
-        """Raise if the open file is now smaller than when this table opened it (or last
-        wrote to it): HDF5 reads past the end of a file as zeros, which would pass for rows."""
-        size = self._file_size()
-        if size is None:
             return
-        seen = _WRITES.get(self._realpath(), 0)
-        floor = getattr(self, "_floor", None)
-        if floor is None or seen != getattr(self, "_floor_writes", 0):
-            self._floor, self._floor_writes = size, seen  # this process wrote: a new floor
-            return
-        if size < floor:
+        need = 0
+        if not self.chunked:
+            offset = ds.id.get_offset()
+            if offset is None:  # not allocated yet: fill values
+                return
+            need = int(offset) + self.num_rows * math.prod(self.shape[1:]) * self._stored.itemsize
+        elif hasattr(ds.id, "get_chunk_info_by_coord"):
+            c, origin = self.chunk_rows, (0,) * (len(self.shape) - 1)
+            for k in range(start // c, (max(stop, start + 1) - 1) // c + 1):
+                try:
+                    info = ds.id.get_chunk_info_by_coord((k * c, *origin))
+                except (KeyError, OSError, RuntimeError, ValueError):
+                    continue
+                if info.byte_offset is not None:  # (None: not allocated)
+                    need = max(need, int(info.byte_offset) + int(info.size))
+        if size < need:
             raise GadgetFileError(
-                f"{self.path} shrank from {floor} to {size} bytes since this table opened it "
-                "(was it rewritten in place?); open it again"
+                f"{self.path}: its file is {size} bytes, shorter than the rows {start}:{stop} "
+                f"need ({need}); it was truncated or rewritten in place since this table "
+                "opened it (HDF5 would read the missing bytes as zeros); open it again"
             )
 
     def _guard(self) -> threading.RLock:
@@ -676,6 +677,7 @@ class Hdf5Source(ArraySource):
                 self._read_hyperslab(ds, start, stop, out)
 
     def _read_hyperslab(self, ds: Any, start: int, stop: int, out: np.ndarray) -> None:
+        self._check_extent(ds, start, stop)
         try:
             ds.read_direct(out, np.s_[start:stop], np.s_[0 : stop - start])
         except OSError as exc:
@@ -698,6 +700,8 @@ class Hdf5Source(ArraySource):
                 continue
             dst = flat[(c0 - start) * row_bytes : (c1 - start) * row_bytes]
             ok = False
+            if table is None:
+                self._check_extent(ds, c0, c1)  # (the chunk table path checks its reads)
             try:
                 if table is not None:
                     ok = self._read_raw_chunk(fd, table, k, dst)
@@ -933,8 +937,17 @@ class Hdf5Source(ArraySource):
         if self._direct == "raw":
             if size != dst.nbytes:
                 return False
-            return os.preadv(fd, [dst.data], offset) == size
-        return self._decode(os.pread(fd, size, offset), dst)
+            got = os.preadv(fd, [dst.data], offset)
+        else:
+            raw = os.pread(fd, size, offset)
+            got = len(raw)
+        if got < size:  # the file ends inside the chunk: it shrank since the table was made
+            raise GadgetFileError(
+                f"{self.path}: its file ends inside chunk {k} (bytes {offset}:{offset + size}, "
+                f"{got} read); it was truncated or rewritten in place since this table opened "
+                "it; open it again"
+            )
+        return True if self._direct == "raw" else self._decode(raw, dst)
 
     def _decode(self, raw: bytes, dst: np.ndarray) -> bool:
         data = zlib.decompress(raw)
@@ -957,6 +970,7 @@ class Hdf5Source(ArraySource):
         stop = start + rows.shape[0]
         with self._guard():
             ds = self._dataset()
+            self._check_extent(ds, start, stop)  # a shrunk file: refused before any write
             try:
                 ds.write_direct(
                     np.ascontiguousarray(rows), np.s_[0 : stop - start], np.s_[start:stop]

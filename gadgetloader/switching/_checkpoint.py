@@ -652,9 +652,12 @@ def load_checkpoint(
         A ``meta.pt`` that is damaged or not a checkpoint, or a table file that is
         damaged or truncated.
     GadgetTypeError
-        ``objects`` is not a mapping of names to objects.
+        ``objects`` is not a mapping of str names to objects, ``directory`` is not a
+        path, or a table file fits its table's shape but not its dtype.
     GadgetKeyError, GadgetValueError
-        An object name, kind, table name, shape or dtype that does not match.
+        An object name, kind, table name or shape that does not match.
+    GadgetClosedError
+        A table of the objects is closed (nothing is loaded).
     """
     _check_objects(objects, "load_checkpoint")
     if not isinstance(verify, bool):

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .._errors import GadgetValueError
+from .._errors import GadgetTypeError, GadgetValueError
 from ._model import ModelSwitch
 from ._optim import OptimizerSwitch
 
@@ -31,10 +31,15 @@ def _torch_placement(deviceType: Any, pinType: bool, placement: str | None) -> s
     the model variable's GPU) and ``pinType``."""
     if placement is not None:
         return placement
+    if not isinstance(deviceType, (str, torch.device)):
+        raise GadgetTypeError(
+            f"deviceType must be a device string ('cuda', 'cpu', 'cuda:N') or a torch.device; "
+            f"got {type(deviceType).__name__} {deviceType!r:.40}"
+        )
     kind = None
     if isinstance(deviceType, torch.device):
         kind = deviceType.type
-    elif isinstance(deviceType, str):
+    else:
         try:
             kind = torch.device(deviceType).type
         except RuntimeError:

@@ -166,8 +166,9 @@ class ModelSwitch:
         self._cache = PlanCache()
         self._capacity = 0
         self._loaded: RowPlan | None = None
-        #: beforeForwardPass ran and afterOptimizerStep has not yet: a step is under way
-        #: (an optimizer switcher called first in a step starts the plan afresh otherwise)
+        #: beforeForwardPass ran with gradients enabled and afterOptimizerStep has not yet:
+        #: a step is under way (an optimizer switcher called first in a step starts the
+        #: plan afresh otherwise)
         self._in_step = False
         #: the optimizer switcher's pager when its states are interleaved with the table
         self._pager: Any = None
@@ -216,6 +217,11 @@ class ModelSwitch:
     def customInit(self, initFunction: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Fill the table with any in-place torch initializer, e.g.
         ``customInit(torch.nn.init.xavier_uniform_)``."""
+        if not callable(initFunction):
+            raise GadgetTypeError(
+                "customInit takes a function that fills a tensor in place (e.g. "
+                f"torch.nn.init.xavier_uniform_); got {type(initFunction).__name__}"
+            )
         self.table.init_(initFunction, *args, **kwargs)
 
     # ---- the step protocol -------------------------------------------------------
@@ -286,7 +292,8 @@ class ModelSwitch:
             on the variable's device; a pair when negatives are given.
         """
         self._cache.clear()  # a step starts from the ids as they are now
-        self._in_step = True
+        if torch.is_grad_enabled():  # (an evaluation lookup, under no_grad, starts no step)
+            self._in_step = True
         if self._padding_id is not None and self.duplicates != "merge":
             raise GadgetValueError(
                 f"the model variable has padding_idx={self._padding_id}, which needs "

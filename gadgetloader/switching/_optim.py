@@ -1050,6 +1050,8 @@ class OptimizerSwitch:
         checked = {
             k: check_tensor(got[k], f"{path}[{k!r}]", t.shape, t.dtype) for k, t in tables.items()
         }
+        for t in tables.values():
+            t.store.check_open()  # a closed state table: refused before any is written
         for k, t in tables.items():
             t.store.write_block(0, checked[k])
             t.store.synchronize()
