@@ -93,10 +93,11 @@ def as_torch_dtype(dtype: Any) -> torch.dtype:
                     + (
                         f"pass dtype='{wider}' to convert it on the way in, e.g. "
                         f"DataGadget(arr_or_file, dtype='{wider}') (arrays, tensors, and files "
-                        f"loaded into memory; refused if a value does not fit), or convert the "
-                        f"file to {wider} for placement='file')"
+                        f"loaded into memory; refused if a value does not fit); for "
+                        f"placement='file', save such a table to a new {wider} file first)"
                         if wider
-                        else "convert to int64 where the values fit)"
+                        else "pass dtype='int64' to convert it on the way in where every value "
+                        "fits: arrays, tensors, and files loaded into memory)"
                     )
                 )
             elif npd.kind == "c":

@@ -8,6 +8,8 @@ plain Python or NumPy keeps working.
 
 from __future__ import annotations
 
+import numpy as np
+
 __all__ = [
     "FallbackWarning",
     "GadgetClosedError",
@@ -69,6 +71,19 @@ class MissingDependencyError(GadgetError, ImportError):
 class FallbackWarning(UserWarning):
     """Emitted once per process when gadgetloader falls back to a slower path
     (e.g. the ``cuda`` or ``pinned`` placement on a machine without CUDA)."""
+
+
+def as_flag(value: object, name: str, *, allow_none: bool = False) -> bool | None:
+    """``value`` as a bool: True/False (NumPy's too) or the ints 1/0 (SpeedTorch compared
+    ``CPUPinn == True``); anything else, a string above all (``bool('False')`` is True), is a
+    ``GadgetTypeError``. ``allow_none``: None passes through (an automatic default)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    raise GadgetTypeError(f"{name} must be True or False; got {type(value).__name__} {value!r:.40}")
 
 
 def table_mismatch(same_shape: bool, message: str) -> GadgetError:

@@ -14,7 +14,14 @@ import torch
 from . import io as _io
 from ._device import resolve_device
 from ._dtypes import as_torch_dtype, dtype_name, numpy_dtype
-from ._errors import GadgetError, GadgetKeyError, GadgetTypeError, GadgetValueError, table_mismatch
+from ._errors import (
+    GadgetError,
+    GadgetKeyError,
+    GadgetTypeError,
+    GadgetValueError,
+    as_flag,
+    table_mismatch,
+)
 from ._ids import _WIDE_UNSIGNED, as_ids, start_range_check
 from ._paths import as_path
 from .stores import Store, empty_store
@@ -186,7 +193,8 @@ class DataGadget:
         strategy: str = "auto",
         **options: Any,
     ) -> None:
-        requested = placement if placement is not None else ("pinned" if CPUPinn else "cuda")
+        pin = as_flag(CPUPinn, "CPUPinn")
+        requested = placement if placement is not None else ("pinned" if pin else "cuda")
         if isinstance(requested, str):
             requested = requested.lower()  # placement names are case-insensitive
         self._placement_requested = requested
@@ -347,8 +355,8 @@ class DataGadget:
         extra = {"wide_unsigned": True} if dtype is not None and placement != "file" else {}
         source = _io.open_source(path, format=fmt, dataset=dataset, **extra)
         wide = source.unsigned_bits
-        table_dtype = source.dtype if wide is None else as_torch_dtype(dtype)
         try:
+            table_dtype = source.dtype if wide is None else as_torch_dtype(dtype)
             if wide is None and dtype is not None and as_torch_dtype(dtype) != source.dtype:
                 raise GadgetTypeError(
                     f"{path} holds {dtype_name(source.dtype)} but dtype={dtype!r} was requested"

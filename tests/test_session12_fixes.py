@@ -228,3 +228,30 @@ def test_wide_unsigned_file_values_that_do_not_fit_are_refused(tmp_path, fmt):
     with pytest.raises(gl.GadgetTypeError, match="numeric"):
         gl.DataGadget(p, dtype="bool", placement="cpu", **kw)
     assert open_fds() == before
+
+
+@pytest.mark.parametrize("value", ["False", "no", 2, None, 0.0])
+def test_flags_refuse_values_that_only_look_like_bools(tmp_path, value):
+    """bool('False') is True: CPUPinn, pinType and progress take True/False (or 1/0) only."""
+    with pytest.raises(gl.GadgetTypeError, match="CPUPinn must be True or False"):
+        gl.DataGadget((3, 2), CPUPinn=value)
+    with pytest.raises(gl.GadgetTypeError, match="CPUPinn must be True or False"):
+        gl.ModelFactory(torch.nn.Embedding(4, 2), 10, 2, CPUPinn=value)
+    with pytest.raises(gl.GadgetTypeError, match="pinType must be True or False"):
+        gl.PytorchModelFactory(torch.nn.Embedding(4, 2), 10, 2, "float32", "cpu", value)
+    if value is not None:  # None is progress's automatic default
+        p = tmp_path / "t.npy"
+        np.save(p, np.ones((3, 2), np.float32))
+        with pytest.raises(gl.GadgetTypeError, match="progress must be True or False"):
+            gl.DataGadget(str(p), placement="cpu", progress=value)
+
+
+@pytest.mark.parametrize("value", [True, False, 1, 0, np.True_, np.False_])
+def test_flags_take_bools_and_one_or_zero(value):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gl.FallbackWarning)
+        g = gl.DataGadget((3, 2), CPUPinn=value, device="cpu")
+    expected = ("pinned" if value else "cuda") if torch.cuda.is_available() else "cpu"
+    assert g.placement == expected

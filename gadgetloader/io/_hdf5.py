@@ -17,6 +17,7 @@ is abandoned unclosed -- closing it could flush the parent's state -- and reopen
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import sys
@@ -497,6 +498,7 @@ class Hdf5Source(ArraySource):
                     f"cannot open HDF5 file {self.path} (mode {self._mode!r}): {exc}{hint}"
                 ) from exc
             self._pid = pid
+            self._unflushed = False  # a handle just opened: the file is as HDF5 left it
             _OPEN.add(self)
             self._closed = False
             _SOURCES.add(self)
@@ -531,20 +533,40 @@ class Hdf5Source(ArraySource):
         except Exception:  # a driver without a file descriptor
             return
         need = 0
+        if (
+            self._mode == "r+"
+            and not getattr(self, "external", False)
+            and not getattr(self, "_unflushed", False)
+        ):
+            # a handle open for writing is the file's only writer (HDF5's lock): once its
+            # writes are flushed (the file table flushes once per call) the end of the space
+            # HDF5 has allocated is where the file ends; a truncation, or a smaller file
+            # copied over it, ends before (between a call's writes the file may lag behind)
+            with contextlib.suppress(Exception):
+                need = int(ds.file.id.get_filesize())
         if not self.chunked:
             offset = ds.id.get_offset()
             if offset is None:  # not allocated yet: fill values
                 return
-            need = int(offset) + self.num_rows * math.prod(self.shape[1:]) * self._stored.itemsize
+            need = max(
+                need,
+                int(offset) + self.num_rows * math.prod(self.shape[1:]) * self._stored.itemsize,
+            )
         elif hasattr(ds.id, "get_chunk_info_by_coord"):
-            c, origin = self.chunk_rows, (0,) * (len(self.shape) - 1)
+            c = self.chunk_rows
+            # every chunk of the rows: a dataset may split its rows into several chunks too
+            inner = itertools.product(
+                *(range(0, n, step) for n, step in zip(self.shape[1:], ds.chunks[1:], strict=True))
+            )
+            corners = list(inner)
             for k in range(start // c, (max(stop, start + 1) - 1) // c + 1):
-                try:
-                    info = ds.id.get_chunk_info_by_coord((k * c, *origin))
-                except (KeyError, OSError, RuntimeError, ValueError):
-                    continue
-                if info.byte_offset is not None:  # (None: not allocated)
-                    need = max(need, int(info.byte_offset) + int(info.size))
+                for corner in corners:
+                    try:
+                        info = ds.id.get_chunk_info_by_coord((k * c, *corner))
+                    except (KeyError, OSError, RuntimeError, ValueError):
+                        continue
+                    if info.byte_offset is not None:  # (None: not allocated)
+                        need = max(need, int(info.byte_offset) + int(info.size))
         if size < need:
             raise GadgetFileError(
                 f"{self.path}: its file is {size} bytes, shorter than the rows {start}:{stop} "
@@ -980,6 +1002,7 @@ class Hdf5Source(ArraySource):
                     f"{self.path}[{self.dataset!r}]: cannot write rows {start}:{stop} ({exc})"
                 ) from exc
             finally:  # rows may have been written before an error, too
+                self._unflushed = True  # the file may end before HDF5's allocation until flushed
                 real = self._realpath()
                 _WRITES[real] = _WRITES.get(real, 0) + 1
             # (the file table flushes HDF5's caches once per write call: other tables of
@@ -995,6 +1018,7 @@ class Hdf5Source(ArraySource):
                     raise GadgetFileError(
                         f"{self.path}: cannot flush written rows ({exc})"
                     ) from exc
+                self._unflushed = False
 
 
 class Hdf5Sink(ArraySink):

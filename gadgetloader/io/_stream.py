@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .._errors import as_flag
 from ._atomic import interrupts_deferred
 from ._base import ArraySink, ArraySource
 
@@ -35,6 +36,7 @@ QUIET_BELOW_BYTES = 256 << 20
 
 def progress_bar(total_bytes: int, desc: str, progress: bool | None) -> Any:
     """A tqdm bar in bytes; ``progress=None`` shows one only for large transfers."""
+    progress = as_flag(progress, "progress", allow_none=True)
     disable = (not progress) if progress is not None else total_bytes < QUIET_BELOW_BYTES
     return tqdm(
         total=total_bytes,
@@ -128,6 +130,9 @@ def load_converted(
             rows = torch.from_numpy(np.ascontiguousarray(convert(raw)))
             store.write_block(start, rows if rows.dtype == store.dtype else rows.to(store.dtype))
             bar.update((stop - start) * source.row_nbytes)
+        ready = getattr(store, "wait_ready", None)
+        if ready is not None:  # a pinned store page-locking itself meanwhile: its errors here
+            ready()
         store.synchronize()
 
 

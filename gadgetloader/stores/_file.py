@@ -601,7 +601,11 @@ class FileStore(Store):
             new: list[int] = []
             for _ in range(cached.size):
                 new.append(self._free.pop() if self._free else lru.popitem(last=False)[1])
-            self._read_blocks(blocks[cached].tolist(), slab, new)
+            try:
+                self._read_blocks(blocks[cached].tolist(), slab, new)
+            except BaseException:
+                self._free.extend(new)  # a failed read keeps its slots (they hold no block)
+                raise
             for b, sl in zip(blocks[cached].tolist(), new, strict=True):
                 lru[b] = sl
             slot[cached] = new

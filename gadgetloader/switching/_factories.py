@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .._errors import GadgetTypeError, GadgetValueError
+from .._errors import GadgetTypeError, GadgetValueError, as_flag
 from ._model import ModelSwitch
 from ._optim import OptimizerSwitch
 
@@ -22,7 +22,7 @@ __all__ = ["ModelFactory", "OptimizerFactory", "PytorchModelFactory", "PytorchOp
 def _cupy_placement(CPUPinn: bool, placement: str | None) -> str:
     if placement is not None:
         return placement
-    return "pinned" if CPUPinn else "cuda"
+    return "pinned" if as_flag(CPUPinn, "CPUPinn") else "cuda"
 
 
 def _torch_placement(deviceType: Any, pinType: bool, placement: str | None) -> str:
@@ -47,7 +47,7 @@ def _torch_placement(deviceType: Any, pinType: bool, placement: str | None) -> s
     if kind == "cuda":
         return "cuda"
     if kind == "cpu":
-        return "pinned" if pinType else "cpu"
+        return "pinned" if as_flag(pinType, "pinType") else "cpu"
     raise GadgetValueError(
         f"Unknown deviceType {deviceType!r}; expected 'cuda', 'cpu', 'cuda:N' or a torch.device "
         "of either type"
