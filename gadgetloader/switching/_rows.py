@@ -222,7 +222,8 @@ def _fingerprint(x: Any) -> Any:
     or NumPy array also by a copy of its values, because a buffer refilled through NumPy
     (``torch.from_numpy(buf)``, then ``buf[:] = ...``) changes without moving torch's
     version counter, and an in-place update of a reused id buffer must never reuse the
-    old plan.
+    old plan. An inference tensor (made under ``torch.inference_mode``) has no version
+    counter, so its plans are never cached.
     """
     if x is None:
         return ()
@@ -232,6 +233,8 @@ def _fingerprint(x: Any) -> Any:
                 return x.detach().numpy().copy()
             except (TypeError, RuntimeError):  # sparse, bfloat16...: never cached
                 return None
+        if x.is_inference():  # no version counter: it may change in place unseen
+            return None
         return (x._version, x.data_ptr(), tuple(x.shape))
     if isinstance(x, np.ndarray):
         return x.copy()
