@@ -892,9 +892,13 @@ class DataGadget:
             os.path.realpath(w) == target or os.path.realpath(w).startswith(target + os.sep)
             for w in getattr(self._store, "_watch_paths", ())
         )
-        if same_path and dataset is None:
+        if (
+            same_path
+            and dataset is None
+            and _io.sink_takes(_io.sink_format(path, format), "dataset")
+        ):
             # saving over the file this table reads: keep the dataset's name (an HDF5 file or
-            # zarr group would otherwise get the format's default name)
+            # zarr group would otherwise get the format's default name; .npy has no names)
             dataset = getattr(self._store, "dataset", None)
         kwargs = dict(options)
         if dataset is not None:

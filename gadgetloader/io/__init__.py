@@ -6,7 +6,15 @@ from ._atomic import replace_atomically, temp_path_beside
 from ._base import ArraySink, ArraySource, SourceShape
 from ._hdf5 import Hdf5Sink, Hdf5Source, is_hdf5
 from ._npy import NpySink, NpySource, is_npy
-from ._open import FORMATS, guess_format, open_sink, open_source, register_format
+from ._open import (
+    FORMATS,
+    guess_format,
+    open_sink,
+    open_source,
+    register_format,
+    sink_format,
+    sink_takes,
+)
 from ._stream import load_converted, load_into, save_from
 from ._zarr import ZarrSink, ZarrSource, is_zarr
 
@@ -17,6 +25,8 @@ __all__ = [
     "open_sink",
     "open_source",
     "register_format",
+    "sink_format",
+    "sink_takes",
     "ArraySource",
     "Hdf5Sink",
     "Hdf5Source",

@@ -24,7 +24,15 @@ from ._hdf5 import Hdf5Sink, Hdf5Source, is_hdf5
 from ._npy import NpySink, NpySource, is_npy
 from ._zarr import ZarrSink, ZarrSource, is_zarr
 
-__all__ = ["FORMATS", "open_source", "open_sink", "guess_format", "register_format"]
+__all__ = [
+    "FORMATS",
+    "open_source",
+    "open_sink",
+    "guess_format",
+    "register_format",
+    "sink_format",
+    "sink_takes",
+]
 
 #: format name -> (source factory, sink factory, extensions, content sniffer)
 _REGISTRY: dict[
@@ -129,7 +137,7 @@ def open_sink(
 ) -> ArraySink:
     """Start writing a ``shape`` / ``dtype`` array to ``path`` (atomically, on commit)."""
     path = as_path(path)
-    fmt = _check_format(format) if format else guess_format(Path(path), must_exist=False)
+    fmt = sink_format(path, format)
     factory = _REGISTRY[fmt][1]
     _check_dataset(kwargs.get("dataset"))
     options = {k: v for k, v in kwargs.items() if v is not None}
@@ -142,6 +150,17 @@ def open_sink(
                 f"{fmt} accepts {sorted(accepted) or 'no options'}"
             )
     return factory(path, shape, dtype, **options)
+
+
+def sink_format(path: str | os.PathLike[str], format: str | None = None) -> str:
+    """The format a save to ``path`` writes: ``format=``, else by extension."""
+    return _check_format(format) if format else guess_format(Path(path), must_exist=False)
+
+
+def sink_takes(fmt: str, option: str) -> bool:
+    """Whether the sink of format ``fmt`` takes the keyword option ``option``."""
+    accepted = _keyword_options(_REGISTRY[fmt][1])
+    return accepted is None or option in accepted
 
 
 def _keyword_options(factory: Callable[..., Any]) -> set[str] | None:
