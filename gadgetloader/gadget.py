@@ -730,8 +730,13 @@ class DataGadget:
 
     def _check_no_waiting_lookup(self, what: str) -> None:
         """Refuse to change the rows of an offloaded embedding's table while one of its
-        lookups with a gradient waits for the step: the step would write the rows that
-        lookup read back over the change."""
+        lookups with a gradient waits for the step, or of a switcher's table (or state
+        table) while a step's rows wait for ``afterOptimizerStep``: the step would write
+        the rows it read back over the change."""
+        switch = self.__dict__.get("_switch")  # a switcher whose step will write back rows
+        guard = switch() if switch is not None else None
+        if guard is not None:
+            guard._refuse_pending(what)
         owner = self.__dict__.get("_owner")
         module = owner() if owner is not None else None
         if module is not None and getattr(module, "_pending", None):
@@ -1049,6 +1054,7 @@ class DataGadget:
             )
         state = self.__dict__.copy()
         state.pop("_owner", None)  # the module that trains it (a weak reference) stays behind
+        state.pop("_switch", None)  # so does the switcher that pages it
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

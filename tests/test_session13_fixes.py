@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
+import gadgetloader as gl
 from gadgetloader.switching._rows import _fingerprint
 
 
@@ -18,3 +21,86 @@ def test_plans_of_inference_tensors_off_the_cpu_are_never_cached():
     normal = torch.empty(6, dtype=torch.int64, device="meta")
     fp = _fingerprint(normal)
     assert fp is not None and fp[0] == normal._version
+
+
+# ---- switchers: nothing changes a table while a step's rows wait for afterOptimizerStep ----
+def _switchers():
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(5, 3)
+    model = torch.nn.ModuleDict({"e": emb})
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    sw = gl.PytorchModelFactory(emb, 30, 3, "float32", "cpu")
+    sw.uniformDistributionInit(-1, 1)
+    osw = gl.PytorchOptimizerFactory(opt, 30, 3, model, "e", "float32", "cpu")
+    osw.optInit()
+    return emb, opt, sw, osw
+
+
+def _half_step(emb, opt, sw, osw, ids):
+    local = sw.beforeForwardPass(ids)
+    osw.beforeForwardPass(ids)
+    opt.zero_grad()
+    (emb(local) ** 2).sum().backward()
+    opt.step()
+
+
+def _finish(sw, osw, ids):
+    osw.afterOptimizerStep(ids)
+    sw.afterOptimizerStep(ids)
+
+
+def test_switcher_tables_refuse_changes_while_a_step_is_under_way(tmp_path):
+    emb, opt, sw, osw = _switchers()
+    ids = torch.tensor([1, 4, 4, 7])
+    _half_step(emb, opt, sw, osw, ids)  # one full step first: state is not fresh
+    _finish(sw, osw, ids)
+    gl.save_checkpoint(tmp_path / "ck", {"sw": sw, "osw": osw, "opt": opt})
+    np.save(tmp_path / "t.npy", np.full((30, 3), 5.0, np.float32))
+    torch.save(torch.full((30, 3), 6.0), tmp_path / "t.pt")
+    osw.saveTorch(tmp_path / "s.pt")
+    _half_step(emb, opt, sw, osw, ids)
+    table, states = sw.getNumpyVersion(), osw.getNumpyVersion()
+    refused = [
+        lambda: gl.load_checkpoint(tmp_path / "ck", {"sw": sw, "osw": osw, "opt": opt}),
+        lambda: gl.load_checkpoint(tmp_path / "ck", {"osw": osw}),
+        lambda: sw.loadCupy(tmp_path / "t.npy"),
+        lambda: sw.load(tmp_path / "t.npy"),
+        lambda: sw.loadTorch(tmp_path / "t.pt"),
+        lambda: sw.zerosInit(),
+        lambda: sw.customInit(torch.nn.init.ones_),
+        lambda: sw.table.load(tmp_path / "t.npy"),
+        lambda: osw.loadTorch(tmp_path / "s.pt"),
+        lambda: osw.customInit(torch.nn.init.constant_, 0.5),
+    ]
+    for call in refused:
+        with pytest.raises(gl.GadgetValueError, match="under way"):
+            call()
+        np.testing.assert_array_equal(sw.getNumpyVersion(), table)
+        for k, v in osw.getNumpyVersion().items():
+            np.testing.assert_array_equal(v, states[k])
+    _finish(sw, osw, ids)  # the step completes as if nothing had been tried
+    after = sw.getNumpyVersion()
+    assert not np.array_equal(after, table)  # the step wrote its rows
+    # once the step is over, every one of them is accepted
+    sw.loadCupy(tmp_path / "t.npy")
+    np.testing.assert_array_equal(sw.getNumpyVersion(), np.full((30, 3), 5.0, np.float32))
+    gl.load_checkpoint(tmp_path / "ck", {"sw": sw, "osw": osw, "opt": opt})
+    osw.customInit(torch.nn.init.constant_, 0.5)
+    assert all(np.all(v == 0.5) for v in osw.getNumpyVersion().values())
+
+
+def test_eval_lookups_and_a_new_step_leave_no_step_under_way(tmp_path):
+    emb, opt, sw, osw = _switchers()
+    np.save(tmp_path / "t.npy", np.full((30, 3), 2.0, np.float32))
+    with torch.no_grad():
+        sw.beforeForwardPass(torch.tensor([0, 2]))  # an evaluation lookup starts no step
+    sw.loadCupy(tmp_path / "t.npy")
+    # a training step abandoned before its afterOptimizerStep is replaced by the next
+    # beforeForwardPass; a no_grad lookup then leaves nothing to write back either
+    sw.beforeForwardPass(torch.tensor([1, 3]))
+    with pytest.raises(gl.GadgetValueError):
+        sw.zerosInit()
+    with torch.no_grad():
+        sw.beforeForwardPass(torch.tensor([0, 2]))
+    sw.zerosInit()
+    assert not sw.getNumpyVersion().any()

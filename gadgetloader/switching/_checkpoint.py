@@ -761,6 +761,9 @@ def load_checkpoint(
             _check_optimizer(name, obj.inner, meta["inner"])
             if meta.get("optimizer") is None:  # written before the class was recorded
                 obj._check_untagged(meta["inner"], f"checkpoint object {name!r}")
+        if kind in ("model_switch", "optimizer_switch"):
+            for t in tables.values():  # a switcher step would write its rows over the load
+                t._check_no_waiting_lookup(f"checkpoint object {name!r}: loading")
         files = {t: os.path.join(d, f) for t, f in entry["tables"].items()}
         for tname, path in files.items():
             if tname in extra:

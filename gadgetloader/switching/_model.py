@@ -170,6 +170,10 @@ class ModelSwitch:
         #: a step is under way (an optimizer switcher called first in a step starts the
         #: plan afresh otherwise)
         self._in_step = False
+        #: a training beforeForwardPass loaded rows that its afterOptimizerStep will write
+        #: back: the table's rows must not change in between (they would be overwritten)
+        self._writeback_pending = False
+        self.table.__dict__["_switch"] = weakref.ref(self)
         #: the optimizer switcher's pager when its states are interleaved with the table
         self._pager: Any = None
         #: (plan, state rows, pager, its generation) gathered with the rows, for the
@@ -294,6 +298,7 @@ class ModelSwitch:
         self._cache.clear()  # a step starts from the ids as they are now
         if torch.is_grad_enabled():  # (an evaluation lookup, under no_grad, starts no step)
             self._in_step = True
+        self._writeback_pending = False  # the rows of an earlier step are replaced below
         if self._padding_id is not None and self.duplicates != "merge":
             raise GadgetValueError(
                 f"the model variable has padding_idx={self._padding_id}, which needs "
@@ -324,6 +329,7 @@ class ModelSwitch:
             hit = (plan.ids[:n] == self._padding_id).nonzero().flatten().tolist()
             self.model_variable.padding_idx = hit[0] if hit else None
         self._loaded = plan
+        self._writeback_pending = torch.is_grad_enabled()
         local = split_local(plan)
         return local[0] if len(local) == 1 else (local[0], local[1])
 
@@ -394,13 +400,25 @@ class ModelSwitch:
         ):
             # the optimizer has stepped this plan's state: rows and state go back together
             pager.store_back(plan, with_table=(store, rows))
-            return
-        store.scatter(
-            plan.ids.to(store.ids_device(rows.device)),
-            rows,
-            unique=plan.distinct,
-            ids_sorted=plan.distinct,  # a distinct plan's ids ascend
-        )
+        else:
+            store.scatter(
+                plan.ids.to(store.ids_device(rows.device)),
+                rows,
+                unique=plan.distinct,
+                ids_sorted=plan.distinct,  # a distinct plan's ids ascend
+            )
+        self._writeback_pending = False
+
+    def _refuse_pending(self, what: str) -> None:
+        """Raise if a training step's rows wait for :meth:`afterOptimizerStep` (it would
+        write the rows read before ``what`` over it)."""
+        if self._writeback_pending:
+            raise GadgetValueError(
+                f"{what} is refused while a step of its model switcher is under way: "
+                "beforeForwardPass loaded rows that afterOptimizerStep will write back over "
+                "the change; change the table before beforeForwardPass or after "
+                "afterOptimizerStep (lookups under torch.no_grad() start no step)"
+            )
 
     # ---- whole table -------------------------------------------------------------
     def getNumpyVersion(self) -> Any:
@@ -451,6 +469,7 @@ class ModelSwitch:
         """Load a table saved with :meth:`saveTorch` (shape and dtype must match)."""
         t = load_torch_file(loadFileName)
         t = check_tensor(t, as_path(loadFileName), self.table.shape, self.table.dtype)
+        self.table._check_no_waiting_lookup("loadTorch into this table")
         self.table.store.write_block(0, t)
         self.table.store.synchronize()
 

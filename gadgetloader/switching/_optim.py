@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -470,7 +471,7 @@ class StatePager:
                     device=param.device,
                 )
             _fill_state(state_table, init, row_shape)
-            self.tables[key] = state_table
+            self.tables[key] = self._guard(state_table)
         state = optimizer.state[param]
         for key, value in self.layout.init_scalars.items():
             if key not in state:
@@ -543,7 +544,7 @@ class StatePager:
                     device=self.param.device,
                 )
                 _fill_state(table, init, row_shape)
-                self.tables[key] = table
+                self.tables[key] = self._guard(table)
                 changed = True
             elif self.fresh and not _same_tensor(init, old.init_rows[key]):
                 _fill_state(table, init, row_shape)
@@ -609,7 +610,7 @@ class StatePager:
             device=self.param.device,
         )
         table.fill_(0.0)
-        self.tables[key] = table
+        self.tables[key] = self._guard(table)
         init = torch.zeros((1, *row_shape), dtype=dtype)
         self.layout = StateLayout(
             self.layout.row_keys + (key,),
@@ -622,6 +623,23 @@ class StatePager:
         self.layout_version += 1
         self.generation += 1
         return table
+
+    #: set by an optimizer switcher: its state tables refuse to change while a step's
+    #: state rows wait for ``afterOptimizerStep`` (which would write them back over it)
+    guarded = False
+
+    def _guard(self, table: DataGadget) -> DataGadget:
+        table.__dict__["_switch"] = weakref.ref(self)  # see DataGadget._check_no_waiting_lookup
+        return table
+
+    def _refuse_pending(self, what: str) -> None:
+        if self.guarded and self.loaded_plan is not None and self.stored_plan is None:
+            raise GadgetValueError(
+                f"{what} is refused while a step of its optimizer switcher is under way: "
+                "beforeForwardPass loaded state rows that afterOptimizerStep will write back "
+                "over the change; change the state before beforeForwardPass or after "
+                "afterOptimizerStep"
+            )
 
     def mark_loaded(self) -> None:
         """After state was loaded: fresh only if it is a never-stepped state (a ``step``
@@ -1050,8 +1068,9 @@ class OptimizerSwitch:
         checked = {
             k: check_tensor(got[k], f"{path}[{k!r}]", t.shape, t.dtype) for k, t in tables.items()
         }
-        for t in tables.values():
+        for k, t in tables.items():
             t.store.check_open()  # a closed state table: refused before any is written
+            t._check_no_waiting_lookup(f"loadTorch into the state table {k!r}")
         for k, t in tables.items():
             t.store.write_block(0, checked[k])
             t.store.synchronize()
@@ -1085,6 +1104,7 @@ class OptimizerSwitch:
             dtype=self._dtype,
             table=sw.table if sw is not None else None,
         )
+        self.pager.guarded = True
         if sw is not None:
             # interleaved: the model switcher moves each row's state with the row itself
             sw._pager = self.pager if self.pager.interleaved else None
