@@ -104,3 +104,21 @@ def test_eval_lookups_and_a_new_step_leave_no_step_under_way(tmp_path):
         sw.beforeForwardPass(torch.tensor([0, 2]))
     sw.zerosInit()
     assert not sw.getNumpyVersion().any()
+
+
+# ---- sampler: a pass still being read no longer moves the state once it was taken back ----
+def test_an_older_pass_read_to_its_end_leaves_a_newer_pass_state_alone():
+    s = gl.GadgetSampler(30, batch_size=4, seed=7)  # 8 batches an epoch
+    old = iter(s)
+    next(old)
+    new = iter(s)
+    first_new = [next(new).tolist() for _ in range(2)]
+    rest_old = [b.tolist() for b in old]  # the older pass is read to its end...
+    assert len(rest_old) == 7
+    state = s.state_dict()
+    assert (state["epoch"], state["position"]) == (0, 2)  # ...and the newer pass owns the state
+    ref = gl.GadgetSampler(30, batch_size=4, seed=7)
+    want = [b.tolist() for b in ref]
+    assert first_new == want[:2]
+    assert [b.tolist() for b in new] == want[2:]
+    assert s.state_dict()["epoch"] == 1

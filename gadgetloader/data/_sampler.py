@@ -478,6 +478,7 @@ class GadgetSampler(Sampler[Any]):
         self._epoch = _check_int(epoch, "epoch", minimum=0)
         self._position = 0
         self._resume = None
+        self._passes = getattr(self, "_passes", 0) + 1  # a pass still being read stops here
 
     def _order_future(self, epoch: int, *, background: bool) -> Future[torch.Tensor] | None:
         if self._order == "sequential":
@@ -549,10 +550,17 @@ class GadgetSampler(Sampler[Any]):
             return self._epoch + 1, 0
         return self._epoch, 0
 
+    def _owner(self) -> tuple[int, int]:
+        """Who may move the sampler's position: the latest pass, until the user's
+        ``set_epoch`` / ``load_state_dict`` (or a restart) takes it back."""
+        return getattr(self, "_changes", 0), getattr(self, "_passes", 0)
+
     def _batches(self) -> Iterator[torch.Tensor]:
         epoch, start = self._next_start()
         self._resume = None
         self._epoch, self._position = epoch, start
+        self._passes = getattr(self, "_passes", 0) + 1
+        mine = self._owner()  # an older pass still being read no longer moves the state
         if start >= self._num_batches:  # resumed after the epoch's last batch: nothing left
             self._epoch, self._position = epoch + 1, 0
             return
@@ -572,13 +580,13 @@ class GadgetSampler(Sampler[Any]):
                 ids = order[p0 : p0 + B] if p0 < full_end else order[p0:last_end]  # type: ignore[index]
             else:
                 ids = self._ids_at(order, p0, p0 + B if p0 < full_end else last_end)
-            if self._epoch == epoch:
+            if self._epoch == epoch and self._owner() == mine:
                 # after the last batch the state reads (epoch, nb): the next pass starts the
                 # next epoch even if this generator is never resumed (see _next_start), and a
                 # resumed state sees an empty rest of this epoch, as StatefulDataLoader expects
                 self._position = b + 1
             yield _as_batch(ids)
-        if self._epoch == epoch and self._position == self._num_batches:
+        if self._epoch == epoch and self._position == self._num_batches and self._owner() == mine:
             self._epoch = epoch + 1
             self._position = 0
 
