@@ -600,6 +600,13 @@ class OffloadedEmbedding(_OffloadedTable):
         return self._deliver(_lookup(local, rows, plan))
 
 
+def _on_cpu_or_cuda(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t`` itself if it lies on the CPU or a CUDA device (where a bag can use it)."""
+    if t.device.type not in ("cpu", "cuda"):
+        raise GadgetTypeError(f"{name} must be on the CPU or a CUDA device; got {t.device}")
+    return t
+
+
 class OffloadedEmbeddingBag(_OffloadedTable):
     """``nn.EmbeddingBag`` (``mode`` 'sum', 'mean' or 'max') with its table in a store.
 
@@ -655,7 +662,7 @@ class OffloadedEmbeddingBag(_OffloadedTable):
                 raise GadgetValueError(
                     "a 1-D input needs offsets (or pass a 2-D input: one bag per row)"
                 )
-            offsets = torch.as_tensor(offsets)
+            offsets = _on_cpu_or_cuda(torch.as_tensor(offsets), "offsets")
             if offsets.dtype not in (torch.int32, torch.int64) or offsets.dim() != 1:
                 raise GadgetTypeError(
                     "offsets must be a 1-D int64 (or int32) tensor of bag starts; got "
@@ -705,6 +712,7 @@ class OffloadedEmbeddingBag(_OffloadedTable):
                     f"per_sample_weights must be a floating-point tensor of the input's shape "
                     f"{shape}; got {got}"
                 )
+            _on_cpu_or_cuda(w, "per_sample_weights")
         return offsets, per_sample_weights
 
     def forward(
@@ -1197,7 +1205,21 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state (scalars such as ``step`` included) plus every
         offloaded table's full state tables as CPU tensors (for small tables; see
-        :func:`~gadgetloader.switching.save_checkpoint` for large ones)."""
+        :func:`~gadgetloader.switching.save_checkpoint` for large ones).
+
+        Hooks registered on this optimizer with ``register_state_dict_pre_hook`` /
+        ``register_state_dict_post_hook`` run as torch runs them (a post hook may return
+        a new dict)."""
+        for pre_hook in list(getattr(self, "_optimizer_state_dict_pre_hooks", {}).values()):
+            pre_hook(self)
+        state_dict = self._state_dict()
+        for post_hook in list(getattr(self, "_optimizer_state_dict_post_hooks", {}).values()):
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def _state_dict(self) -> dict[str, Any]:
         for pager in self.pagers:
             pager.follow_hyper()
         return {
@@ -1210,7 +1232,22 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (same model structure and optimizer
-        class; anything else is refused before any state changes)."""
+        class; anything else is refused before any state changes).
+
+        Hooks registered with ``register_load_state_dict_pre_hook`` (which may return a
+        new dict, e.g. without an entry a state-dict post hook added) and
+        ``register_load_state_dict_post_hook`` run as torch runs them."""
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()  # (as torch: a pre hook may edit its copy)
+        for pre_hook in list(getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values()):
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._load_state_dict(state_dict)
+        for post_hook in list(getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values()):
+            post_hook(self)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if (
             not isinstance(state_dict, dict)
             or not {"inner", "tables"}
