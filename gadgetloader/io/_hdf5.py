@@ -24,7 +24,7 @@ import sys
 import threading
 import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +69,8 @@ DEFAULT_DATASET = "data"
 _CONTIGUOUS_BLOCK_BYTES = 8 << 20
 _SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _COMPRESSIONS = ("gzip", "lzf")
+#: reads of a read-only handle tried while another process writes the file (see _reading)
+_READ_ATTEMPTS = 3
 _H5Z_DEFLATE, _H5Z_SHUFFLE = 1, 2
 
 #: handles inherited through a fork: kept alive, never closed in the child
@@ -473,6 +475,9 @@ class Hdf5Source(ArraySource):
             )  # inherited through a fork: never close it here
             self._file = self._ds = None
         if self._file is None:
+            # what the file looked like when this handle opened it (before: a change made
+            # while it opens is seen at the next read)
+            self._opened_key = self._stat_key()
             try:
                 try:
                     self._file = _h5_open(h5py, self.path, self._mode)
@@ -657,6 +662,70 @@ class Hdf5Source(ArraySource):
         self._closed = False
         _SOURCES.add(self)
 
+    # ---- another process's writes ------------------------------------------------------
+    def _stat_key(self) -> tuple[int, ...] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def _follow_other_writers(self) -> tuple[int, ...] | None:
+        """A read-only handle (a DataLoader worker's, another table's) on a file that
+        changed since it opened it -- another process (or table) wrote -- reopens it:
+        HDF5 caches the file's chunk index, and a rewritten compressed chunk moves, so
+        the old handle would read other bytes than the rows (even of rows never written).
+        Returns the file's state as seen now. A file replaced by another is left to the
+        checks that refuse it."""
+        key = self._stat_key()
+        if self._mode != "r":
+            return key
+        with self._guard():
+            opened = getattr(self, "_opened_key", None)
+            if (
+                self._file is not None
+                and key is not None
+                and opened is not None
+                and key != opened
+                and key[0] == opened[0]
+            ):
+                if self._pid == os.getpid():
+                    with contextlib.suppress(Exception):
+                        self._file.close()
+                else:
+                    _ABANDONED.append((self._file, self._ds))
+                self._file = self._ds = None
+                self._table, self._table_pid = None, 0
+                self._map, self._map_pid = None, 0
+                _OPEN.discard(self)
+                try:
+                    self._dataset()  # reopened now: a file that no longer fits says so
+                except GadgetFileError as exc:
+                    if key[1] >= opened[1]:
+                        raise
+                    raise GadgetFileError(
+                        f"{self.path} shrank from {opened[1]} to {key[1]} bytes since this "
+                        f"table opened it and no longer holds its rows ({exc})"
+                    ) from exc
+        return key
+
+    def _reading(self, read: Callable[[], Any]) -> Any:
+        """Run ``read`` for a read-only handle; if it fails while another process writes
+        the file (its state changed meanwhile), reopen and read again (a few times)."""
+        for attempt in range(_READ_ATTEMPTS):
+            key = self._follow_other_writers()
+            try:
+                return read()
+            except GadgetFileError:
+                if (
+                    self._mode != "r"
+                    or attempt == _READ_ATTEMPTS - 1
+                    or key is None
+                    or self._stat_key() == key
+                ):
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
     # ---- rows -----------------------------------------------------------------------------
     @property
     def concurrent_reads(self) -> bool:
@@ -665,6 +734,9 @@ class Hdf5Source(ArraySource):
         return self._mode == "r" and self._direct is not None
 
     def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
+        self._reading(lambda: self._read_into(start, stop, out))
+
+    def _read_into(self, start: int, stop: int, out: np.ndarray) -> None:
         out = as_bits(out, self.dtype)
         with self._guard():
             ds = self._dataset()
@@ -753,6 +825,11 @@ class Hdf5Source(ArraySource):
         end). With a read-only handle on raw chunks this is one ``preadv`` per chunk,
         spread over a thread pool.
         """
+        self._reading(lambda: self._read_chunks_into(chunks, out, slots))
+
+    def _read_chunks_into(
+        self, chunks: Sequence[int], out: np.ndarray, slots: Sequence[int] | None
+    ) -> None:
         out = as_bits(out, self.dtype)
         c = self.chunk_rows
         slots = list(range(len(chunks))) if slots is None else slots
@@ -763,7 +840,7 @@ class Hdf5Source(ArraySource):
                 for k, s in zip(chunks, slots, strict=True):
                     lo, hi = k * c, min((k + 1) * c, self.num_rows)
                     if hi > lo:
-                        self.read_into(lo, hi, out[s * c : s * c + hi - lo])
+                        self._read_into(lo, hi, out[s * c : s * c + hi - lo])
                 return
             # a private descriptor: close() (e.g. before a fork) may run while the pool
             # reads, and a reused descriptor number must never be read by mistake
@@ -806,6 +883,7 @@ class Hdf5Source(ArraySource):
         plain = self._direct == "raw" if self.chunked else self._plain_bytes(self._stored)
         if not plain:
             return False
+        self._follow_other_writers()
         with self._guard():
             rows = self._row_map()
             if rows is None:
