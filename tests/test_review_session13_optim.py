@@ -215,7 +215,7 @@ def train_step(off, opt, ref, lazy, batch, dev=CPU):
     lr_ = ref_loss(ref, batch)
     lr_.backward()
     lazy.step([batch[0], batch[1]])
-    return float(lo), float(lr_)
+    return float(lo.detach()), float(lr_.detach())
 
 
 def assert_match(off: Mixed, opt, ref: Dense, lazy: LazyDense, tol=TOL) -> None:

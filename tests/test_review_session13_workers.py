@@ -264,6 +264,7 @@ def test_pinned_column_in_fork_workers_gathers_on_the_cpu() -> None:
 
 
 @NEEDS_CUPY
+@pytest.mark.filterwarnings("ignore:Got pickle error:UserWarning")  # torch >= 2.10 warns first
 def test_pinned_column_cannot_go_to_spawn_workers() -> None:
     g = gl.DataGadget(np.ones((N, 2), np.float32), placement="pinned")
     ds = gl.GadgetDataset(g)
