@@ -176,3 +176,11 @@ def cupy_stream(device: torch.device) -> Any:
                 )
         _streams[handle] = stream
     return stream
+
+
+def pinned_empty(shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked buffer kept across calls. Made outside inference mode: a buffer first
+    made under ``torch.inference_mode`` would be an inference tensor, which nothing may
+    write outside that mode later."""
+    with torch.inference_mode(False):
+        return torch.empty(shape, dtype=dtype, pin_memory=True)

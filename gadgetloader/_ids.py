@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from ._device import pinned_empty
 from ._errors import GadgetIndexError, GadgetTypeError, GadgetValueError
 
 __all__ = [
@@ -221,10 +222,10 @@ def start_range_check(ids: torch.Tensor, num_rows: int, *, private: bool = False
         check_range(ids, num_rows)
         return _nothing
     if private:
-        buf = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        buf = pinned_empty(2, torch.int64)
     else:
         if _ends.buf is None:
-            _ends.buf = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            _ends.buf = pinned_empty(2, torch.int64)
         buf = _ends.buf
     buf.copy_(torch.stack(torch.aminmax(ids.reshape(-1))), non_blocking=True)
     return range_check_of(buf, num_rows, torch.cuda.current_stream(ids.device).record_event())
@@ -322,7 +323,7 @@ def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         _ring.events[i].synchronize()  # the copy that last used this buffer has finished
     buf = _ring.bufs[i]
     if buf is None or buf.numel() < t.numel():
-        buf = torch.empty(max(t.numel(), 1 << 16), dtype=torch.int64, pin_memory=True)
+        buf = pinned_empty(max(t.numel(), 1 << 16), torch.int64)
         _ring.bufs[i] = buf
     staged = buf[: t.numel()].view(t.shape)
     staged.copy_(t)

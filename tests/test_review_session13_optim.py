@@ -711,7 +711,7 @@ def test_eval_lookups_between_steps_change_nothing(placement, how):
                     pred = b_off(nxt[0], nxt[1])
             else:
                 pred = b_off(nxt[0], nxt[1])
-                float(F.mse_loss(pred, nxt[2].to(dev)))  # a validation loss, no backward
+                float(F.mse_loss(pred, nxt[2].to(dev)).detach())  # a validation loss, no backward
             b_off.train()
             with torch.no_grad():
                 torch.testing.assert_close(pred.detach().cpu(), ref(nxt[0], nxt[1]), **TOL)

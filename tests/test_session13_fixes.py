@@ -122,3 +122,43 @@ def test_an_older_pass_read_to_its_end_leaves_a_newer_pass_state_alone():
     assert first_new == want[:2]
     assert [b.tolist() for b in new] == want[2:]
     assert s.state_dict()["epoch"] == 1
+
+
+# ---- buffers kept across calls are made outside inference mode ---------------------------------
+def test_first_use_under_inference_mode_leaves_reused_buffers_writable(placement, device):
+    """The per-thread pinned buffers (CPU id uploads, id range checks) are made on first
+    use; made under ``torch.inference_mode`` they were inference tensors, and every later
+    call outside that mode failed to write them. A new thread starts without them."""
+    import threading
+
+    rng = np.random.default_rng(5)
+    base = rng.standard_normal((300, 8)).astype(np.float32)
+    g = gl.DataGadget(base.copy(), placement=placement)
+    want = base.copy()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            ids = rng.integers(0, 300, 5000)
+            for mode in (True, False, True, False):
+                with torch.inference_mode(mode):
+                    got = g.getData(torch.from_numpy(ids)).cpu().numpy()
+                    np.testing.assert_array_equal(got, want[ids])
+                    gpu_ids = torch.from_numpy(ids).to(device)
+                    np.testing.assert_array_equal(g.getData(gpu_ids).cpu().numpy(), want[ids])
+                    new = rng.standard_normal((4, 8)).astype(np.float32)
+                    rows = np.array([3, 100, 7, 299])
+                    g.insertData(torch.from_numpy(new), torch.from_numpy(rows))
+                    want[rows] = new
+                    with pytest.raises(gl.GadgetIndexError):
+                        g.getData(torch.tensor([0, 300], device=device))
+        except BaseException as exc:  # reported in the main thread
+            errors.append(exc)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+    np.testing.assert_array_equal(g.getNumpyVersion(), want)
+    g.close()

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._device import pinned_empty
 from .._dtypes import dtype_name, numpy_dtype
 from .._errors import GadgetFileError, GadgetTypeError, GadgetValueError, ReadOnlyError
 from .._ids import last_writer
@@ -545,7 +546,7 @@ class FileStore(Store):
         shape = (n, *self.row_shape)
         if stage is None or stage.shape[0] < n:
             rows = max(n, 2 * stage.shape[0]) if stage is not None else n
-            stage = torch.empty((rows, *self.row_shape), dtype=self._dtype, pin_memory=True)
+            stage = pinned_empty((rows, *self.row_shape), self._dtype)
             self._stages[i] = stage
         self._last_stage = i
         return stage[:n].view(shape)

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from .._device import pinned_empty
 from .._ids import check_range
 
 __all__ = [
@@ -198,7 +199,7 @@ _ends = _Ends()
 def _ends_buffer() -> torch.Tensor:
     """A per-thread pinned pair for an id range read back without its own synchronisation."""
     if _ends.buf is None:
-        _ends.buf = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        _ends.buf = pinned_empty(2, torch.int64)
     return _ends.buf
 
 

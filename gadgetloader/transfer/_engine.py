@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from .._device import cupy_available
+from .._device import cupy_available, pinned_empty
 from .._errors import GadgetKeyError, GadgetValueError
+from .._ids import _upload
 from . import _kernels
 
 __all__ = ["STRATEGIES", "gather", "scatter", "resolve_strategy", "set_hybrid_fraction"]
@@ -130,7 +131,7 @@ class _Staging(threading.local):
         if self.done is not None:
             self.done.synchronize()  # the previous copy out of (or into) the buffer finished
         if self.buf is None or self.buf.numel() < nbytes:
-            self.buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            self.buf = pinned_empty(max(nbytes, 1 << 20), torch.uint8)
         if self.stream is None or self.stream.device != device:
             self.stream = torch.cuda.Stream(device)
         return self.buf
@@ -316,6 +317,17 @@ def gather_many(
     return results
 
 
+def _ids_on(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Int64 ids on ``device``, dense. CPU ids go up through a pinned ring buffer, an
+    asynchronous copy: a pageable one would first wait for the work queued before it
+    (the last call's transfer), leaving the GPU idle while it copies."""
+    if flat.device == device:
+        return flat.contiguous()
+    if flat.device.type == "cpu" and device.type == "cuda" and flat.dtype == torch.int64:
+        return _upload(flat.contiguous(), device)
+    return flat.to(device).contiguous()
+
+
 def _run_gather(
     how: str,
     tables: list[torch.Tensor],
@@ -330,7 +342,7 @@ def _run_gather(
     ordered = how == "sorted" or ids_sorted  # ascending ids: see _kernels.ordered_shape
     if count is not None:
         if how in ("kernel", "sorted"):  # the kernel reads the count on the GPU
-            flat = flat.to(tables[0].device).contiguous()
+            flat = _ids_on(flat, tables[0].device)
             for g in _groups(tables):
                 _kernels.launch_gather(  # (no sort here: ascending only if they came so)
                     tables[g], flat, flat_outs[g], None, count=count, ordered=ids_sorted
@@ -345,7 +357,7 @@ def _run_gather(
             assert host is not None
             _hybrid_gather(table, host, flat, out)
         return
-    flat = flat.to(tables[0].device).contiguous()  # the kernels read ids densely
+    flat = _ids_on(flat, tables[0].device)  # the kernels read ids densely
     if how == "torch":
         for table, out in zip(tables, flat_outs, strict=True):
             torch.index_select(table, 0, flat, out=out)
@@ -416,7 +428,7 @@ def _hybrid_gather(
     k = int(n * _hybrid["fraction"])
     device = table.device
     before = torch.cuda.current_stream(device).record_event()  # writes queued so far
-    gpu_ids = flat[k:].to(device, non_blocking=True)
+    gpu_ids = _ids_on(flat[k:], device)
     if gpu_ids.numel():
         sorted_ids, pos = torch.sort(gpu_ids)
         _kernels.launch_gather(table, sorted_ids, out[k:], pos, ordered=True)
@@ -485,7 +497,7 @@ def scatter_many(
         raise GadgetValueError(f"got {len(tables)} tables but {len(rows)} row tensors")
     _check_fused(tables)
     first = tables[0]
-    flat = ids.reshape(-1).to(first.device).contiguous()  # the kernels read ids densely
+    flat = _ids_on(ids.reshape(-1), first.device)  # the kernels read ids densely
     n = flat.numel()
     if n == 0 or math.prod(first.shape[1:]) == 0:
         return
