@@ -496,6 +496,14 @@ class DataGadget:
         self._store.check_open()
         dev = self._delivery_device(device)
         where = self._store.ids_device(dev)
+        if (
+            where.type == "cuda"
+            and not _is_cuda_tensor(indexes)
+            and self._store.hybrid_for(dev, _id_count(indexes), self._strategy)
+        ):
+            # a large sparse request on a huge host table: CPU threads gather part of it
+            # from the ids where they are (uploading them would bring them back)
+            where = torch.device("cpu")
         # CUDA ids for a GPU gather: the check's two numbers travel back while the kernel
         # runs (it never reads outside the table), then a bad id raises before the rows
         # are returned
@@ -1059,6 +1067,15 @@ class DataGadget:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+def _id_count(indexes: Any) -> int:
+    """How many ids ``indexes`` holds, where that is cheap to tell (else 0)."""
+    if isinstance(indexes, (torch.Tensor, np.ndarray)):
+        return int(indexes.size if isinstance(indexes, np.ndarray) else indexes.numel())
+    if isinstance(indexes, (list, tuple, range)):
+        return len(indexes)
+    return 0
 
 
 def _is_cuda_tensor(x: Any) -> bool:

@@ -162,3 +162,38 @@ def test_first_use_under_inference_mode_leaves_reused_buffers_writable(placement
         raise errors[0]
     np.testing.assert_array_equal(g.getNumpyVersion(), want)
     g.close()
+
+
+# ---- CPU ids of a hybrid gather stay on the CPU --------------------------------------------------
+@pytest.mark.gpu
+def test_hybrid_gathers_take_cpu_ids_where_they_are_and_check_them():
+    """A gather the engine gives to ``hybrid`` (CPU threads + kernel) keeps CPU ids on the
+    CPU (no upload and download); results equal NumPy's for every kind of CPU ids, CUDA
+    ids still work, and a bad id is refused before anything is read."""
+    from gadgetloader._device import cupy_available
+
+    if not cupy_available():
+        pytest.skip("needs CuPy (the pinned placement)")
+    rng = np.random.default_rng(9)
+    base = rng.standard_normal((70_000, 16)).astype(np.float32)
+    g = gl.DataGadget(base, placement="pinned", strategy="hybrid")
+    dev = torch.device("cuda")
+    assert g._store.hybrid_for(dev, 70_000, "hybrid")
+    assert not g._store.hybrid_for(torch.device("cpu"), 70_000, "hybrid")
+    ids = rng.integers(0, 70_000, 66_000)
+    for form in (torch.from_numpy(ids), ids, ids.tolist(), torch.from_numpy(ids).to(dev)):
+        got = g.getData(form)
+        assert got.device.type == "cuda"
+        np.testing.assert_array_equal(got.cpu().numpy(), base[ids])
+    out = torch.empty((ids.size, 16), device=dev)
+    assert g.getData(ids, out=out) is out
+    np.testing.assert_array_equal(out.cpu().numpy(), base[ids])
+    bad = ids.copy()
+    bad[123] = 70_000
+    with pytest.raises(gl.GadgetIndexError):
+        g.getData(bad)
+    auto = gl.DataGadget(base, placement="pinned")  # a small table: auto never goes hybrid
+    assert not auto._store.hybrid_for(dev, 70_000, "auto")
+    np.testing.assert_array_equal(auto.getData(ids).cpu().numpy(), base[ids])
+    g.close()
+    auto.close()

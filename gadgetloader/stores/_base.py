@@ -120,6 +120,17 @@ class Store(abc.ABC):
             return torch.device("cpu")
         return dv.device if dv is not None else torch.device("cpu")
 
+    def hybrid_for(self, out_device: torch.device, n_ids: int, strategy: str = "auto") -> bool:
+        """Whether a gather of ``n_ids`` ids to ``out_device`` would take the ``hybrid``
+        strategy (CPU threads gather a share of the rows), which wants the ids on the
+        CPU: CPU ids then stay there instead of going to the GPU and back."""
+        if out_device.type != "cuda" or n_ids <= 0:
+            return False
+        dv, hv = self.device_view(), self.host_view()
+        if dv is None or hv is None:
+            return False
+        return _engine.resolve_strategy(strategy, dv, n_ids, hv) == "hybrid"
+
     def gather(
         self,
         ids: torch.Tensor,
