@@ -741,10 +741,13 @@ class DataGadget:
         lookups with a gradient waits for the step, or of a switcher's table (or state
         table) while a step's rows wait for ``afterOptimizerStep``: the step would write
         the rows it read back over the change."""
+        self._store.check_open()  # a closed table says so first
         switch = self.__dict__.get("_switch")  # a switcher whose step will write back rows
         guard = switch() if switch is not None else None
         if guard is not None:
             guard._refuse_pending(what)
+            # rows a switcher read before this write must not be written back over it
+            self.__dict__["_writes"] = self.__dict__.get("_writes", 0) + 1
         owner = self.__dict__.get("_owner")
         module = owner() if owner is not None else None
         if module is not None and getattr(module, "_pending", None):
@@ -1161,6 +1164,7 @@ def scatter_many(gadgets: Any, rows: Any, indexes: Any, *, check_ids: bool = Tru
     for k, (g, r) in enumerate(zip(group, rows, strict=True)):
         try:
             g._store.check_writable()
+            g._check_no_waiting_lookup("scatter_many into this table")
             data, ids = g._insert_args(r, ids, check_ids if k == 0 else False)
         except GadgetError as exc:  # say which table, keeping the error's class
             raise type(exc)(f"table {k} of {len(group)}: {exc}") from exc

@@ -198,3 +198,28 @@ def test_hybrid_gathers_take_cpu_ids_where_they_are_and_check_them():
     np.testing.assert_array_equal(auto.getData(ids).cpu().numpy(), base[ids])
     g.close()
     auto.close()
+
+
+def test_after_optimizer_step_never_writes_rows_read_before_a_change(tmp_path):
+    """An evaluation lookup mid-step ends the guard (it starts no step), so a load is then
+    accepted; the afterOptimizerStep that follows refuses to write the rows read before the
+    load over it, and the next step trains on the loaded rows."""
+    emb, opt, sw, osw = _switchers()
+    five = np.full((30, 3), 5.0, np.float32)
+    np.save(tmp_path / "five.npy", five)
+    ids = torch.tensor([1, 4, 4, 7])
+    _half_step(emb, opt, sw, osw, ids)
+    with torch.no_grad():
+        sw.beforeForwardPass(ids)
+    sw.loadCupy(tmp_path / "five.npy")
+    with pytest.raises(gl.GadgetValueError, match="changed"):
+        sw.afterOptimizerStep(ids)
+    np.testing.assert_array_equal(sw.getNumpyVersion(), five)
+    # by hand under no_grad, with no change in between: written back as before
+    with torch.no_grad():
+        local = sw.beforeForwardPass(torch.tensor([2, 3]))
+        emb.weight[local] += 1.0
+    sw.afterOptimizerStep(torch.tensor([2, 3]))
+    want = five.copy()
+    want[[2, 3]] += 1.0
+    np.testing.assert_array_equal(sw.getNumpyVersion(), want)

@@ -704,8 +704,9 @@ class Hdf5Source(ArraySource):
                     if key[1] >= opened[1]:
                         raise
                     raise GadgetFileError(
-                        f"{self.path} shrank from {opened[1]} to {key[1]} bytes since this "
-                        f"table opened it and no longer holds its rows ({exc})"
+                        f"{self.path} changed since this table opened it (it shrank from "
+                        f"{opened[1]} to {key[1]} bytes) and no longer holds its rows as "
+                        f"they were: truncated, replaced in place, or being written ({exc})"
                     ) from exc
         return key
 
@@ -713,8 +714,9 @@ class Hdf5Source(ArraySource):
         """Run ``read`` for a read-only handle; if it fails while another process writes
         the file (its state changed meanwhile), reopen and read again (a few times)."""
         for attempt in range(_READ_ATTEMPTS):
-            key = self._follow_other_writers()
+            key = self._stat_key()
             try:
+                self._follow_other_writers()  # (a reopen during a write may fail too)
                 return read()
             except GadgetFileError:
                 if (
@@ -1017,8 +1019,11 @@ class Hdf5Source(ArraySource):
         allocated = np.flatnonzero(table[:, 0] >= 0)
         if allocated.size:
             k = int(allocated[0])
-            _, want = ds.id.read_direct_chunk((k * c,) + (0,) * (len(self.shape) - 1))
-            got = os.pread(self._raw_fd(), int(table[k, 1]), int(table[k, 0]))
+            try:
+                _, want = ds.id.read_direct_chunk((k * c,) + (0,) * (len(self.shape) - 1))
+                got = os.pread(self._raw_fd(), int(table[k, 1]), int(table[k, 0]))
+            except OSError:  # e.g. an index another process is rewriting: read through h5py
+                return None
             if bytes(got) != bytes(want):  # e.g. a user block shifts addresses: do not trust
                 return None
         self._table = table

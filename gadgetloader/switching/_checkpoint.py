@@ -91,6 +91,36 @@ def _check_objects(objects: Any, what: str) -> None:
             )
 
 
+def _refuse_mid_step(name: str, obj: Any, what: str) -> None:
+    """Refuse a switcher, its optimizer switcher or the torch optimizer that steps its
+    variable while a training step waits for ``afterOptimizerStep``: a load would be
+    overwritten by the write-back (or get another batch's optimizer state written into
+    this batch's rows), a save would pair the tables from before the step with the
+    optimizer's state from after it."""
+    from ._model import ModelSwitch, switch_for
+    from ._optim import OptimizerSwitch
+
+    def busy(param: Any) -> bool:
+        sw = switch_for(param)
+        return sw is not None and sw.step_under_way()
+
+    if isinstance(obj, ModelSwitch):
+        under_way = obj.step_under_way()
+    elif isinstance(obj, OptimizerSwitch):
+        under_way = (obj.pager is not None and obj.pager.step_pending) or busy(obj.param)
+    elif isinstance(obj, torch.optim.Optimizer) and not hasattr(obj, "pagers"):
+        under_way = any(busy(p) for g in obj.param_groups for p in g["params"])
+    else:
+        return
+    if under_way:
+        raise GadgetValueError(
+            f"checkpoint object {name!r}: {what} a checkpoint is refused while a switcher's "
+            "training step is under way (between beforeForwardPass and afterOptimizerStep): "
+            "the tables and the optimizer state would not belong to one moment; save or load "
+            "before beforeForwardPass or after afterOptimizerStep"
+        )
+
+
 def _plain_file_name(f: Any) -> bool:
     """Whether ``f`` names a file right inside the checkpoint directory."""
     return (
@@ -227,6 +257,8 @@ def save_checkpoint(
     _check_objects(objects, "save_checkpoint")
     ext = _extension(format)
     _check_switchers_saved(objects)
+    for name, obj in objects.items():
+        _refuse_mid_step(name, obj, "saving")
     parts = {name: _parts(obj) for name, obj in objects.items()}
     if format == "npy":
         bf16 = [
@@ -761,9 +793,7 @@ def load_checkpoint(
             _check_optimizer(name, obj.inner, meta["inner"])
             if meta.get("optimizer") is None:  # written before the class was recorded
                 obj._check_untagged(meta["inner"], f"checkpoint object {name!r}")
-        if kind in ("model_switch", "optimizer_switch"):
-            for t in tables.values():  # a switcher step would write its rows over the load
-                t._check_no_waiting_lookup(f"checkpoint object {name!r}: loading")
+        _refuse_mid_step(name, obj, "loading")
         files = {t: os.path.join(d, f) for t, f in entry["tables"].items()}
         for tname, path in files.items():
             if tname in extra:

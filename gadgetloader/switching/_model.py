@@ -173,7 +173,11 @@ class ModelSwitch:
         #: a training beforeForwardPass loaded rows that its afterOptimizerStep will write
         #: back: the table's rows must not change in between (they would be overwritten)
         self._writeback_pending = False
+        #: the table's write count when beforeForwardPass read the rows (see afterOptimizerStep)
+        self._read_at = 0
         self.table.__dict__["_switch"] = weakref.ref(self)
+        #: the pagers of optimizer switchers of this variable (their step follows this one's)
+        self._step_pagers: weakref.WeakSet[Any] = weakref.WeakSet()
         #: the optimizer switcher's pager when its states are interleaved with the table
         self._pager: Any = None
         #: (plan, state rows, pager, its generation) gathered with the rows, for the
@@ -298,7 +302,6 @@ class ModelSwitch:
         self._cache.clear()  # a step starts from the ids as they are now
         if torch.is_grad_enabled():  # (an evaluation lookup, under no_grad, starts no step)
             self._in_step = True
-        self._writeback_pending = False  # the rows of an earlier step are replaced below
         if self._padding_id is not None and self.duplicates != "merge":
             raise GadgetValueError(
                 f"the model variable has padding_idx={self._padding_id}, which needs "
@@ -308,6 +311,7 @@ class ModelSwitch:
         plan = self.plan(retrievedPosIndexes, retrievedNegIndexes)
         store = self.table.store
         dev = self.device
+        writes = self.table.__dict__.get("_writes", 0)  # the table's rows as read now
         n, cap = plan.num_rows, self.capacity_for(plan)
         rows = torch.empty((cap, *store.row_shape), dtype=store.dtype, device=dev)
         state_stores = self._state_stores()
@@ -322,6 +326,14 @@ class ModelSwitch:
         self._prefetched = (plan, states, self._pager, self._pager.generation) if states else None
         if cap > n:
             rows[n:].zero_()  # padding rows: no id maps to them, their gradient is zero
+        # the rows of an earlier step are replaced here: its write-back can no longer run,
+        # nor can its optimizer switchers' (unless they loaded these very rows: this step)
+        self._writeback_pending = False
+        for pager in list(self._step_pagers):
+            if pager.step_pending and (
+                pager.loaded_plan is None or not same_rows(plan, pager.loaded_plan)
+            ):
+                pager.step_pending = False
         _set_rows(self.param, rows)
         self.param.grad = None
         if self._padding_id is not None:
@@ -329,6 +341,7 @@ class ModelSwitch:
             hit = (plan.ids[:n] == self._padding_id).nonzero().flatten().tolist()
             self.model_variable.padding_idx = hit[0] if hit else None
         self._loaded = plan
+        self._read_at = writes
         self._writeback_pending = torch.is_grad_enabled()
         local = split_local(plan)
         return local[0] if len(local) == 1 else (local[0], local[1])
@@ -378,6 +391,13 @@ class ModelSwitch:
                 f"({plan.num_rows} rows here, "
                 f"{'none' if loaded is None else loaded.num_rows} loaded); pass the same ids"
             )
+        if self.table.__dict__.get("_writes", 0) != self._read_at:
+            raise GadgetValueError(
+                "afterOptimizerStep: the table was changed (a load, an initialiser, "
+                "insertData...) after beforeForwardPass read these rows, so they are not "
+                "written back over the change (nothing was written); call beforeForwardPass "
+                "again for a step on the new rows"
+            )
         rows = self.param.detach()
         n = plan.num_rows
         store = self.table.store
@@ -419,6 +439,11 @@ class ModelSwitch:
                 "the change; change the table before beforeForwardPass or after "
                 "afterOptimizerStep (lookups under torch.no_grad() start no step)"
             )
+
+    def step_under_way(self) -> bool:
+        """Whether a training step of this variable waits for an ``afterOptimizerStep``
+        (this switcher's or one of its optimizer switchers')."""
+        return self._writeback_pending or any(p.step_pending for p in list(self._step_pagers))
 
     # ---- whole table -------------------------------------------------------------
     def getNumpyVersion(self) -> Any:

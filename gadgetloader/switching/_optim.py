@@ -627,13 +627,17 @@ class StatePager:
     #: set by an optimizer switcher: its state tables refuse to change while a step's
     #: state rows wait for ``afterOptimizerStep`` (which would write them back over it)
     guarded = False
+    #: an optimizer switcher's training beforeForwardPass loaded state rows that its
+    #: afterOptimizerStep will write back (cleared by the write-back, or when the model
+    #: switcher's next lookup replaces that step)
+    step_pending = False
 
     def _guard(self, table: DataGadget) -> DataGadget:
         table.__dict__["_switch"] = weakref.ref(self)  # see DataGadget._check_no_waiting_lookup
         return table
 
     def _refuse_pending(self, what: str) -> None:
-        if self.guarded and self.loaded_plan is not None and self.stored_plan is None:
+        if self.guarded and self.step_pending:
             raise GadgetValueError(
                 f"{what} is refused while a step of its optimizer switcher is under way: "
                 "beforeForwardPass loaded state rows that afterOptimizerStep will write back "
@@ -731,6 +735,7 @@ class StatePager:
             stores.append(with_table[0])
             rows_out.append(with_table[1][: plan.num_rows])
         self.stored_plan = plan
+        self.step_pending = False
         self.generation += 1
         self.fresh = False
         for key, table in self.tables.items():
@@ -1106,6 +1111,7 @@ class OptimizerSwitch:
         )
         self.pager.guarded = True
         if sw is not None:
+            sw._step_pagers.add(self.pager)
             # interleaved: the model switcher moves each row's state with the row itself
             sw._pager = self.pager if self.pager.interleaved else None
 
@@ -1152,6 +1158,7 @@ class OptimizerSwitch:
             sw.capacity_for(plan) if sw is not None else int(plan.local.numel()),
             prefetched=prefetched,
         )
+        pager.step_pending = torch.is_grad_enabled()  # (a lookup under no_grad starts none)
 
     def afterOptimizerStep(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:
         """Scatter the updated state rows back into the tables (unless the model switcher's
