@@ -577,7 +577,10 @@ class DataGadget:
         data, ids = self._insert_args(dataObject, indexes, check_ids)
         if ids.numel() == 0:
             return
-        self._store.scatter(ids, data, strategy=self._strategy)
+        try:
+            self._store.scatter(ids, data, strategy=self._strategy)
+        finally:
+            self._wrote()
 
     def _insert_args(
         self, dataObject: Any, indexes: Any, check_ids: bool
@@ -733,8 +736,17 @@ class DataGadget:
                 f"torch.nn.init.xavier_uniform_); got {type(fn).__name__} {fn!r:.60}"
             )
         self._check_no_waiting_lookup("filling this table")
-        self._store.apply_(fn, *args, **kwargs)
+        try:
+            self._store.apply_(fn, *args, **kwargs)
+        finally:
+            self._wrote()  # (a function that raised may have filled part of it)
         return self
+
+    def _wrote(self) -> None:
+        """After rows were (or may have been) written: rows a switcher read before are
+        not written back over them (see ``ModelSwitch.afterOptimizerStep``)."""
+        if "_switch" in self.__dict__:
+            self.__dict__["_writes"] = self.__dict__.get("_writes", 0) + 1
 
     def _check_no_waiting_lookup(self, what: str) -> None:
         """Refuse to change the rows of an offloaded embedding's table while one of its
@@ -746,8 +758,6 @@ class DataGadget:
         guard = switch() if switch is not None else None
         if guard is not None:
             guard._refuse_pending(what)
-            # rows a switcher read before this write must not be written back over it
-            self.__dict__["_writes"] = self.__dict__.get("_writes", 0) + 1
         owner = self.__dict__.get("_owner")
         module = owner() if owner is not None else None
         if module is not None and getattr(module, "_pending", None):
@@ -969,6 +979,7 @@ class DataGadget:
         self._check_no_waiting_lookup("loading a file into this table")
         if getattr(self._store, "load_in_place", False):
             self._load_in_place(as_path(path), dataset, format, progress)
+            self._wrote()
             return
         new = self._open_file(
             as_path(path),
@@ -994,6 +1005,7 @@ class DataGadget:
                 f"and must keep its {self.shape} {dtype_name(self.dtype)} (nothing was changed)",
             )
         old, self._store = self._store, new
+        self._wrote()
         old.close()
 
     def _load_in_place(
@@ -1171,13 +1183,17 @@ def scatter_many(gadgets: Any, rows: Any, indexes: Any, *, check_ids: bool = Tru
         checked.append((data, ids))
     if checked[0][1].numel() == 0:
         return
-    if len({(d.device, i.device) for d, i in checked}) == 1:
-        scatter_stores(
-            [g._store for g in group],
-            checked[0][1],
-            [d for d, _ in checked],
-            strategy=group[0]._strategy,
-        )
-    else:
-        for g, (data, i) in zip(group, checked, strict=True):
-            g._store.scatter(i, data, strategy=g._strategy)
+    try:
+        if len({(d.device, i.device) for d, i in checked}) == 1:
+            scatter_stores(
+                [g._store for g in group],
+                checked[0][1],
+                [d for d, _ in checked],
+                strategy=group[0]._strategy,
+            )
+        else:
+            for g, (data, i) in zip(group, checked, strict=True):
+                g._store.scatter(i, data, strategy=g._strategy)
+    finally:
+        for g in group:
+            g._wrote()

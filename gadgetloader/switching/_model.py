@@ -25,6 +25,7 @@ from .._ids import as_ids
 from .._paths import as_path
 from ..gadget import DataGadget
 from ..stores._base import gather_many as gather_stores
+from ._optim import pagers_for
 from ._rows import DUPLICATE_MODES, PlanCache, RowPlan, plan_rows, same_rows, split_local
 from ._torchfile import check_tensor, load_torch_file, save_torch_file, table_tensor
 
@@ -176,8 +177,6 @@ class ModelSwitch:
         #: the table's write count when beforeForwardPass read the rows (see afterOptimizerStep)
         self._read_at = 0
         self.table.__dict__["_switch"] = weakref.ref(self)
-        #: the pagers of optimizer switchers of this variable (their step follows this one's)
-        self._step_pagers: weakref.WeakSet[Any] = weakref.WeakSet()
         #: the optimizer switcher's pager when its states are interleaved with the table
         self._pager: Any = None
         #: (plan, state rows, pager, its generation) gathered with the rows, for the
@@ -329,7 +328,7 @@ class ModelSwitch:
         # the rows of an earlier step are replaced here: its write-back can no longer run,
         # nor can its optimizer switchers' (unless they loaded these very rows: this step)
         self._writeback_pending = False
-        for pager in list(self._step_pagers):
+        for pager in pagers_for(self.param):
             if pager.step_pending and (
                 pager.loaded_plan is None or not same_rows(plan, pager.loaded_plan)
             ):
@@ -419,6 +418,7 @@ class ModelSwitch:
             and pager.stored_plan is not plan
         ):
             # the optimizer has stepped this plan's state: rows and state go back together
+            pager.check_unchanged()
             pager.store_back(plan, with_table=(store, rows))
         else:
             store.scatter(
@@ -443,7 +443,7 @@ class ModelSwitch:
     def step_under_way(self) -> bool:
         """Whether a training step of this variable waits for an ``afterOptimizerStep``
         (this switcher's or one of its optimizer switchers')."""
-        return self._writeback_pending or any(p.step_pending for p in list(self._step_pagers))
+        return self._writeback_pending or any(p.step_pending for p in pagers_for(self.param))
 
     # ---- whole table -------------------------------------------------------------
     def getNumpyVersion(self) -> Any:
@@ -495,7 +495,10 @@ class ModelSwitch:
         t = load_torch_file(loadFileName)
         t = check_tensor(t, as_path(loadFileName), self.table.shape, self.table.dtype)
         self.table._check_no_waiting_lookup("loadTorch into this table")
-        self.table.store.write_block(0, t)
+        try:
+            self.table.store.write_block(0, t)
+        finally:
+            self.table._wrote()
         self.table.store.synchronize()
 
 

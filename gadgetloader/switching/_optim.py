@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .._errors import GadgetKeyError, GadgetTypeError, GadgetValueError, as_count
 from .._paths import as_path
@@ -369,6 +370,16 @@ def _fill_state(table: DataGadget, init: torch.Tensor, row_shape: tuple[int, ...
         table.init_(lambda t, f=fill: t.copy_(f.to(t.device, t.dtype).expand_as(t)))
 
 
+#: the pagers of the optimizer switchers of each paged parameter (whenever either switcher
+#: was built): a model switcher's step is under way until theirs are written back too
+_PAGERS: Any = WeakIdKeyDictionary()  # (tensors as keys: by identity)
+
+
+def pagers_for(param: Any) -> list[Any]:
+    """The live pagers of optimizer switchers of ``param``."""
+    return list(_PAGERS.get(param, ()))
+
+
 class StatePager:
     """Pages the row-shaped optimizer state of one parameter between tables and the optimizer.
 
@@ -645,6 +656,23 @@ class StatePager:
                 "afterOptimizerStep"
             )
 
+    def check_unchanged(self) -> None:
+        """Raise if a state table was written (a load, an initialiser) after :meth:`load`
+        read its rows: those rows must not be written back over the change."""
+        read_at = getattr(self, "_read_at", {})
+        changed = [
+            k
+            for k, n in read_at.items()
+            if k in self.tables and self.tables[k].__dict__.get("_writes", 0) != n
+        ]
+        if changed:
+            raise GadgetValueError(
+                f"afterOptimizerStep: the state tables {changed} were changed (a load, an "
+                "initialiser...) after beforeForwardPass read these rows, so they are not "
+                "written back over the change (nothing was written); call beforeForwardPass "
+                "again for a step on the new state"
+            )
+
     def mark_loaded(self) -> None:
         """After state was loaded: fresh only if it is a never-stepped state (a ``step``
         of 0), whose tables may still be refilled from the first step's hyper-parameters."""
@@ -684,6 +712,8 @@ class StatePager:
         cap = n if capacity is None else max(n, capacity)
         stores = [t.store for t in self.tables.values()]
         self.loaded_plan, self.stored_plan = plan, None
+        #: each state table's write count as its rows are read (see check_unchanged)
+        self._read_at = {k: t.__dict__.get("_writes", 0) for k, t in self.tables.items()}
         if (
             prefetched is not None
             and len(prefetched) == len(stores)
@@ -1076,9 +1106,13 @@ class OptimizerSwitch:
         for k, t in tables.items():
             t.store.check_open()  # a closed state table: refused before any is written
             t._check_no_waiting_lookup(f"loadTorch into the state table {k!r}")
-        for k, t in tables.items():
-            t.store.write_block(0, checked[k])
-            t.store.synchronize()
+        try:
+            for k, t in tables.items():
+                t.store.write_block(0, checked[k])
+                t.store.synchronize()
+        finally:
+            for t in tables.values():
+                t._wrote()
         self._need_pager().tables_written()
 
     def optInit(self) -> None:
@@ -1101,6 +1135,7 @@ class OptimizerSwitch:
         if self.pager is not None:
             for t in self.pager.tables.values():
                 t.close()
+            _PAGERS.get(self.param, weakref.WeakSet()).discard(self.pager)
         self.pager = StatePager(
             self.optimizer,
             self.param,
@@ -1110,8 +1145,8 @@ class OptimizerSwitch:
             table=sw.table if sw is not None else None,
         )
         self.pager.guarded = True
+        _PAGERS.setdefault(self.param, weakref.WeakSet()).add(self.pager)
         if sw is not None:
-            sw._step_pagers.add(self.pager)
             # interleaved: the model switcher moves each row's state with the row itself
             sw._pager = self.pager if self.pager.interleaved else None
 
@@ -1189,4 +1224,5 @@ class OptimizerSwitch:
             )
         if pager.interleaved and pager.stored_plan is plan:
             return
+        pager.check_unchanged()
         pager.store_back(plan)
