@@ -161,6 +161,12 @@ class DataGadget:
         Progress bar for file loads (default: only for large files).
     strategy : str, default 'auto'
         Transfer strategy for GPU gathers/scatters (see ``gadgetloader.transfer``).
+    **options
+        For ``placement='file'`` only (anything else refuses them): ``cache_bytes``
+        (the block cache's budget, default 256 MiB, 0 turns it off), ``writable``
+        (True / False / None: whether writes go through to the file; default when it
+        can be written) and ``block_rows`` (rows per read; default the file's chunk
+        length, or about 4 KiB of rows), as :class:`~gadgetloader.stores.FileStore`.
 
     Notes
     -----

@@ -232,6 +232,9 @@ def save_checkpoint(
         File format of the tables (HDF5 / zarr need their extras). bfloat16 tables
         need 'hdf5' or 'zarr' (NumPy has no bfloat16); 'npy' refuses them before
         writing anything.
+    progress : bool, optional
+        A progress bar per table file, as :meth:`DataGadget.save` (default: only for
+        large tables); True / False force it on / off.
 
     Notes
     -----

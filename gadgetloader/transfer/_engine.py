@@ -93,7 +93,7 @@ def resolve_strategy(
     (which :func:`gather_many` replaces by ``sorted`` where that measured faster in this
     process, see :data:`_TUNED`).
     Scatters always sort (that is how repeats are merged), so ``auto`` scatters with
-    ``kernel``.
+    ``kernel``. Without CuPy every strategy but ``torch`` becomes ``torch``.
     """
     if strategy not in STRATEGIES:
         raise GadgetKeyError(f"Unknown strategy {strategy!r}; expected one of {list(STRATEGIES)}")
