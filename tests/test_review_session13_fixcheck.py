@@ -593,7 +593,10 @@ def _hooked(kind: str) -> tuple[Any, Any, list[Any]]:
         opt: Any = torch.optim.Adam(m.parameters(), lr=0.1)
     else:
         m = torch.nn.ModuleDict(
-            {"e": gl.OffloadedEmbedding(10, 3, placement="cpu"), "h": torch.nn.Linear(3, 1)}
+            {
+                "e": gl.OffloadedEmbedding(10, 3, placement="cpu", device="cpu"),
+                "h": torch.nn.Linear(3, 1),
+            }
         )
         opt = gl.OffloadedOptimizer(torch.optim.Adam, m, lr=0.1)
     log: list[Any] = []
