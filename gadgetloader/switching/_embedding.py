@@ -28,6 +28,7 @@ from .._ids import as_ids, range_check_of
 from ..gadget import DataGadget
 from ..stores._base import FusedRows
 from ..stores._base import gather_many as gather_stores
+from . import _graphs as _captured
 from ._optim import (
     StatePager,
     check_optimizer_kind,
@@ -169,6 +170,8 @@ class _OffloadedTable(nn.Module):
         self._state_version = 0
         #: (device, prepared transfer) of the stores a training lookup gathers
         self._fused: tuple[torch.device, FusedRows] | None = None
+        #: captured CUDA graphs of training lookups over ``_fused`` (see ``_graphs``)
+        self._graphs: _captured.LookupGraphs | None = None
         self._attached = False
         #: rows of training lookups that had no gradient when the last step ran: a gradient
         #: arriving later is reported by the next step (it would be lost silently)
@@ -176,6 +179,8 @@ class _OffloadedTable(nn.Module):
 
     #: set by ``requires_grad_(False)``: lookups are then constants (the table is frozen)
     _frozen = False
+    #: (an instance's own once a training lookup ran on a CUDA device; see ``_graphs``)
+    _graphs: _captured.LookupGraphs | None = None
     #: set by ``.to(dtype)`` / ``.half()`` / ``.double()``: the dtype lookups are returned in
     _out_dtype: torch.dtype | None = None
 
@@ -268,24 +273,36 @@ class _OffloadedTable(nn.Module):
         training = torch.is_grad_enabled() and self._attached and not self._frozen
         stores = [store, *self._state_stores] if training and self._state_stores else [store]
         finish = None
+        replayed = None
         if (
             self._device_plans
             and _plans_on_device(ids)
             and ids.numel() * store.row_nbytes <= DEVICE_PLAN_MAX_BYTES
         ):
+            replayed = self._replay(ids, stores) if training else None
             if cuda_input and ids.is_cuda and ids.numel():  # CPU ids were checked by as_ids
                 # the plan's sort finds the smallest and largest id anyway: they travel to
                 # this pair while the rest of the step is queued
                 ends = torch.empty(2, dtype=torch.int64, pin_memory=True)
-                plan = plan_rows_async((ids,), self.num_embeddings, ends)
+                if replayed is not None:
+                    ends.copy_(replayed[2], non_blocking=True)
+                    plan = replayed[0]
+                else:
+                    plan = plan_rows_async((ids,), self.num_embeddings, ends)
                 done = torch.cuda.current_stream(ids.device).record_event()
                 finish = range_check_of(ends, self.num_embeddings, done)
+            elif replayed is not None:
+                plan = replayed[0]
             else:
                 plan = plan_rows_async((ids,), self.num_embeddings)
         else:
             plan = plan_rows((ids,), "merge", self.num_embeddings)
-        fused = self._fused_rows(stores) if plan.n_distinct is not None else None
-        if fused is not None and plan.n_distinct is not None:
+        fused = None
+        if replayed is None and plan.n_distinct is not None:
+            fused = self._fused_rows(stores)
+        if replayed is not None:
+            rows, *states = replayed[1]
+        elif fused is not None and plan.n_distinct is not None:
             rows, *states = fused.gather(plan.ids, plan.n_distinct)
         else:
             if finish is not None:
@@ -311,6 +328,20 @@ class _OffloadedTable(nn.Module):
         elif finish is not None:
             finish()
         return plan.local.view(ids.shape), rows, plan
+
+    def _replay(
+        self, ids: torch.Tensor, stores: list[Any]
+    ) -> tuple[RowPlan, list[torch.Tensor], torch.Tensor] | None:
+        """The plan and rows of ``ids`` from a captured CUDA graph (see ``_graphs``), or
+        None where the lookup runs eagerly."""
+        if not _captured.ENABLED or not ids.is_cuda or torch.is_inference_mode_enabled():
+            return None
+        fused = self._fused_rows(stores)
+        if fused is None or fused.device != ids.device:
+            return None
+        graphs = _captured.graphs_for(self._graphs, fused)
+        _set(self, "_graphs", graphs)
+        return graphs.run(ids)
 
     def _fused_rows(self, stores: list[Any]) -> FusedRows | None:
         """The prepared fused transfer of ``stores`` (rebuilt when they change)."""
@@ -447,6 +478,7 @@ class _OffloadedTable(nn.Module):
         _set(self, "_state_stores", None)
         _set(self, "_state_pager", None)
         _set(self, "_fused", None)
+        _set(self, "_graphs", None)
         self._drop_step()
         _set(self, "_late", False)
 
@@ -461,6 +493,7 @@ class _OffloadedTable(nn.Module):
             _state_version=0,
             _merged=None,
             _fused=None,
+            _graphs=None,
             _pending=[],
             _checks=[],
             _forward_states={},
@@ -571,6 +604,15 @@ class OffloadedEmbedding(_OffloadedTable):
     :func:`~gadgetloader.switching.save_checkpoint` for large ones). Forward
     calls made with gradients enabled keep their rows until the next
     ``step()``: evaluate under ``torch.no_grad()``.
+
+    On a CUDA device a training lookup's plan and gather (a sort, the plan kernel, the
+    fused gather of the rows and their optimizer states: most of a step's CPU time) are
+    captured into a CUDA graph the second time a lookup of the same id count is seen,
+    and replayed from then on (one launch; bit-identical results). Each id count keeps
+    up to two captured copies (a step's outputs stay in use until the next step), at
+    most four counts and 512 MiB of captured outputs per table; a copy whose outputs are
+    still referenced is never replayed over (the lookup then runs eagerly). Set the
+    environment variable ``GADGETLOADER_CUDA_GRAPHS=0`` to turn this off.
 
     Examples
     --------
@@ -1134,6 +1176,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 if pager.interleaved:
                     _set(m, "_state_stores", [t.store for t in pager.tables.values()])
                     _set(m, "_fused", None)
+                    _set(m, "_graphs", None)
             _set(m, "_prefetched", None)
         self.inner.step()
         for m, pager, plan in zip(self.tables, self.pagers, plans, strict=True):
