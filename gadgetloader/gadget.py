@@ -16,6 +16,7 @@ from ._device import resolve_device
 from ._dtypes import as_torch_dtype, dtype_name, numpy_dtype
 from ._errors import (
     GadgetError,
+    GadgetIndexError,
     GadgetKeyError,
     GadgetTypeError,
     GadgetValueError,
@@ -67,6 +68,40 @@ def as_tensor_data(data: Any, what: str = "data") -> torch.Tensor:
     raise GadgetTypeError(
         f"{what} must be a torch tensor or a NumPy/CuPy array; got {type(data).__name__}"
     )
+
+
+def _rows_of(sl: slice, n: int) -> range:
+    """The rows a slice selects from a table of ``n`` rows (Python's rules)."""
+    try:
+        return range(*sl.indices(n))
+    except (TypeError, ValueError) as exc:  # a zero step, a non-integer bound
+        raise (GadgetValueError if isinstance(exc, ValueError) else GadgetTypeError)(
+            f"a slice of rows takes integer bounds and a non-zero step (slice step 0 selects "
+            f"nothing); got {sl!r}"
+        ) from None
+
+
+def _index_text(rest: tuple[Any, ...]) -> str:
+    return ", ".join(
+        f"{x.start if x.start is not None else ''}:{x.stop if x.stop is not None else ''}"
+        + (f":{x.step}" if x.step is not None else "")
+        if isinstance(x, slice)
+        else repr(x)
+        for x in rest
+    )
+
+
+def _apply_rest(
+    rows: torch.Tensor, lead: tuple[slice, ...], rest: tuple[Any, ...], row_shape: tuple[int, ...]
+) -> torch.Tensor:
+    """``rows[lead + rest]``: an index into each row (slices and ints: a view)."""
+    for x, size in zip(rest, row_shape, strict=False):
+        if not isinstance(x, slice) and not -size <= int(x) < size:
+            raise GadgetIndexError(
+                f"index {int(x)} is out of range for a row axis of size {size}; nothing was "
+                "read or written"
+            )
+    return rows[lead + tuple(rest)]
 
 
 def _check_out(out: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
@@ -200,6 +235,8 @@ class DataGadget:
         **options: Any,
     ) -> None:
         pin = as_flag(CPUPinn, "CPUPinn")
+        if progress is not None:
+            progress = as_flag(progress, "progress")  # for every source, not files only
         requested = placement if placement is not None else ("pinned" if pin else "cuda")
         if isinstance(requested, str):
             requested = requested.lower()  # placement names are case-insensitive
@@ -473,9 +510,13 @@ class DataGadget:
 
         Parameters
         ----------
-        indexes : torch tensor (CPU or CUDA), NumPy or CuPy array, list, range or int
+        indexes : torch tensor (CPU or CUDA), NumPy or CuPy array, list, range, int or slice
             Row ids of any integer dtype and any shape; the result has shape
             ``indexes.shape + row_shape`` (a plain int gives one row without a leading axis).
+            As in SpeedTorch (CuPy indexing), a ``slice`` is a range of rows, and a tuple
+            holding a slice, an array or a tensor is a NumPy-style index: row ids first,
+            then slices or ints into each row, e.g. ``(slice(0, 6), slice(0, 3))`` is
+            ``table[0:6, 0:3]`` (``out=`` then refused). A tuple of plain ints is a list of ids.
         device : optional
             Deliver to this device instead of :attr:`device`. In a DataLoader worker
             process, or a process forked after CUDA started, rows come back on the
@@ -500,6 +541,16 @@ class DataGadget:
             Non-integer ids.
         """
         self._store.check_open()
+        indexes, rest = self._split_index(indexes)
+        if rest:
+            if out is not None:
+                raise GadgetValueError(
+                    "out= takes rows of the whole row shape; got an index into the rows too "
+                    f"({_index_text(rest)}): gather the rows into out, then index out"
+                )
+            rows = self.getData(indexes, device=device, check_ids=check_ids)
+            lead = (slice(None),) * (rows.dim() - len(self.row_shape))
+            return _apply_rest(rows, lead, rest, self.row_shape)
         dev = self._delivery_device(device)
         where = self._store.ids_device(dev)
         if (
@@ -568,7 +619,10 @@ class DataGadget:
 
         ``dataObject`` is a torch tensor (CPU or CUDA), NumPy or CuPy array of the
         table's dtype and shape ``indexes.shape + row_shape``. Where an id repeats,
-        the row of its **last** occurrence is written (on every placement).
+        the row of its **last** occurrence is written (on every placement). ``indexes``
+        takes what :meth:`getData` takes; with a NumPy-style tuple (rows, then slices or
+        ints into each row) the data has the indexed part's shape and only that part is
+        written (the rows are read, changed and written back).
         ``check_ids=False`` skips the synchronising range check of CUDA ids (see
         :meth:`getData`); unchecked out-of-range ids are then skipped by the kernel.
 
@@ -580,6 +634,16 @@ class DataGadget:
         """
         self._store.check_writable()
         self._check_no_waiting_lookup("insertData into this table")
+        indexes, rest = self._split_index(indexes)
+        if rest:
+            # part of each row: read the rows, write the part, write the rows back
+            ids_only = as_ids(indexes, len(self), None, check=True)
+            rows = self.getData(ids_only, device=self._store.ids_device(self._device))
+            lead = (slice(None),) * ids_only.dim()
+            view = _apply_rest(rows, lead, rest, self.row_shape)
+            part = self._part_data(dataObject, view)
+            view[...] = part  # (a view of rows: basic indexing only, see _apply_rest)
+            dataObject, indexes = rows, ids_only
         data, ids = self._insert_args(dataObject, indexes, check_ids)
         if ids.numel() == 0:
             return
@@ -588,10 +652,71 @@ class DataGadget:
         finally:
             self._wrote()
 
+    def _split_index(self, indexes: Any) -> tuple[Any, tuple[Any, ...]]:
+        """(row ids, index into each row) of a NumPy-style index: a ``slice`` of rows is
+        their ``range``; a tuple holding a slice, an array or a tensor is (rows, then an
+        index into the row: slices and ints). Other indexes are row ids as they are
+        (a tuple of ints is a list of ids)."""
+        if isinstance(indexes, slice):
+            return _rows_of(indexes, len(self)), ()
+        if isinstance(indexes, tuple) and any(
+            isinstance(x, (slice, np.ndarray, torch.Tensor))
+            or hasattr(x, "__cuda_array_interface__")
+            for x in indexes
+        ):
+            if len(indexes) > 1 + len(self.row_shape):
+                raise GadgetIndexError(
+                    f"too many indices: this table has {1 + len(self.row_shape)} dimensions "
+                    f"(rows, then shape {self.row_shape}); got {len(indexes)}"
+                )
+            rows, rest = indexes[0], tuple(indexes[1:])
+            if isinstance(rows, slice):
+                rows = _rows_of(rows, len(self))
+            for x in rest:
+                if isinstance(x, slice) or (
+                    isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+                ):
+                    continue
+                raise GadgetTypeError(
+                    "an index into the rows (after the row ids) takes slices and ints; got "
+                    f"{type(x).__name__}"
+                )
+            return rows, rest
+        return indexes, ()
+
+    def _part_data(self, dataObject: Any, view: torch.Tensor) -> torch.Tensor:
+        """``dataObject`` checked for writing into ``view`` (an indexed part of the rows)."""
+        data = self._write_data(dataObject)
+        if tuple(data.shape) != tuple(view.shape):
+            raise GadgetValueError(
+                f"insertData expected data of the indexed part's shape {tuple(view.shape)} but "
+                f"got {tuple(data.shape)}"
+            )
+        return data.to(view.device)
+
     def _insert_args(
         self, dataObject: Any, indexes: Any, check_ids: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Checked (data, ids) for a write; raises before anything is written."""
+        data = self._write_data(dataObject)
+        cuda_dev = self._store.cuda_device
+        target = data.device if data.is_cuda else torch.device("cpu")
+        ids = as_ids(
+            indexes,
+            len(self),
+            self._store.ids_device(target if cuda_dev is not None else torch.device("cpu")),
+            check=check_ids,
+        )
+        expected = (*ids.shape, *self.row_shape)
+        if tuple(data.shape) != expected:
+            raise GadgetValueError(
+                f"insertData expected data of shape {expected} (ids shape {tuple(ids.shape)} + row "
+                f"shape {self.row_shape}) but got {tuple(data.shape)}"
+            )
+        return data, ids
+
+    def _write_data(self, dataObject: Any) -> torch.Tensor:
+        """``dataObject`` as a tensor, checked for the table's dtype and device."""
         if isinstance(dataObject, (np.ndarray, np.generic, list)):
             # NumPy data (a list becomes a NumPy array): said in NumPy's terms, and for a
             # dtype with no table form too (complex, strings, uint16, ...)
@@ -628,20 +753,7 @@ class DataGadget:
             raise GadgetTypeError(
                 f"insertData got data on {data.device} but this table is addressed from {cuda_dev}"
             )
-        target = data.device if data.is_cuda else torch.device("cpu")
-        ids = as_ids(
-            indexes,
-            len(self),
-            self._store.ids_device(target if cuda_dev is not None else torch.device("cpu")),
-            check=check_ids,
-        )
-        expected = (*ids.shape, *self.row_shape)
-        if tuple(data.shape) != expected:
-            raise GadgetValueError(
-                f"insertData expected data of shape {expected} (ids shape {tuple(ids.shape)} + row "
-                f"shape {self.row_shape}) but got {tuple(data.shape)}"
-            )
-        return data, ids
+        return data
 
     def gadgetInit(self) -> DataGadget:
         """SpeedTorch's second construction step, kept so its code runs unchanged.
@@ -1159,8 +1271,11 @@ def gather_many(
 def scatter_many(gadgets: Any, rows: Any, indexes: Any, *, check_ids: bool = True) -> None:
     """``gadgets[k][indexes] = rows[k]`` for every table, at once (see :func:`gather_many`).
 
-    Every argument is checked before anything is written; a repeated id takes its
-    last occurrence's row in every table, as :meth:`DataGadget.insertData`.
+    Every argument is checked before anything is written, and so is every file-backed
+    table's part of the write (its chunks are read first, as a write to one table does: a
+    damaged chunk raises :class:`~gadgetloader.GadgetFileError` naming the table, with no
+    table changed); a repeated id takes its last occurrence's row in every table, as
+    :meth:`DataGadget.insertData`.
     """
     group = _fused_group(gadgets)
     if isinstance(rows, (str, bytes, set, frozenset, dict)) or rows is None:
@@ -1189,6 +1304,14 @@ def scatter_many(gadgets: Any, rows: Any, indexes: Any, *, check_ids: bool = Tru
         checked.append((data, ids))
     if checked[0][1].numel() == 0:
         return
+    if len(group) > 1:
+        # what a table's own write would find before writing (a damaged file chunk) is
+        # found for every table before the first one is written
+        for k, g in enumerate(group):
+            try:
+                g._store.precheck_scatter(checked[k][1])
+            except GadgetError as exc:
+                raise type(exc)(f"table {k} of {len(group)}: {exc}") from exc
     try:
         if len({(d.device, i.device) for d, i in checked}) == 1:
             scatter_stores(

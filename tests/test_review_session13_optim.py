@@ -767,7 +767,7 @@ BAD_BAG = {
     "offsets_not_at_zero": (lambda i: (i, torch.tensor([1, 3])), {}, ValueError),
     "offsets_decreasing": (lambda i: (i, torch.tensor([0, 4, 2])), {}, ValueError),
     "offsets_past_end": (lambda i: (i, torch.tensor([0, 99])), {}, ValueError),
-    "offsets_2d": (lambda i: (i, torch.tensor([[0, 2]])), {}, TypeError),
+    "offsets_2d": (lambda i: (i, torch.tensor([[0, 2]])), {}, ValueError),  # as torch
     "offsets_with_2d_input": (lambda i: (i.reshape(2, -1), torch.tensor([0, 1])), {}, ValueError),
     "ids_out_of_range": (
         lambda i: (torch.cat([i, torch.tensor([N])]), torch.tensor([0, 2])),

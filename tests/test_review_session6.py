@@ -401,7 +401,7 @@ def test_embedding_bag_argument_checks_leave_no_pending_rows(device):
             gl.GadgetTypeError,
             "per_sample",
         ),
-        ((ids, torch.tensor([0, 2]), torch.ones(3)), gl.GadgetTypeError, "per_sample"),
+        ((ids, torch.tensor([0, 2]), torch.ones(3)), gl.GadgetValueError, "per_sample"),
     ]
     for args, exc, msg in bad:
         with pytest.raises(exc, match=msg):

@@ -13,6 +13,7 @@ without communicating, and a saved ``(epoch, position)`` pair is enough to resum
 from __future__ import annotations
 
 import operator
+import os
 import threading
 from collections.abc import Iterator, Sized
 from concurrent.futures import Future
@@ -212,7 +213,8 @@ class GadgetSampler(Sampler[Any]):
     data_source : int or sized object
         The number of rows, or anything with ``len()`` (a :class:`GadgetDataset`,
         a :class:`~gadgetloader.DataGadget`). Its ``chunk_rows`` attribute, where
-        present, gives the chunk size for ``order='chunk'``.
+        present, gives the chunk size for ``order='chunk'``. A file path is refused
+        (``len()`` of a path is its length in characters): open it as a table first.
     batch_size : int
         Rows per batch (> 0).
     order : {'random', 'sequential', 'chunk'}, default 'random'
@@ -316,6 +318,13 @@ class GadgetSampler(Sampler[Any]):
     ) -> None:
         if isinstance(data_source, (int, np.integer)) and not isinstance(data_source, bool):
             n = int(data_source)
+        elif isinstance(data_source, (str, bytes, os.PathLike)):
+            # len() of a path is its length in characters, never the table's rows
+            raise GadgetTypeError(
+                "data_source must be a row count or a sized table (a GadgetDataset, a "
+                f"DataGadget); got the path {os.fsdecode(data_source)!r:.80}: open it first, "
+                "e.g. GadgetSampler(gl.DataGadget(path, placement='file'), ...)"
+            )
         elif hasattr(data_source, "__len__"):
             n = len(data_source)
         else:

@@ -157,6 +157,12 @@ class Store(abc.ABC):
             return out
         return rows.to(device)
 
+    def precheck_scatter(self, ids: torch.Tensor) -> None:
+        """Raise now what a scatter of ``ids`` would find on its way (a damaged file chunk)
+        without writing anything: a write to several tables checks them all before the
+        first is written. In-memory stores have nothing to check."""
+        return None
+
     def scatter(
         self,
         ids: torch.Tensor,

@@ -799,6 +799,24 @@ class FileStore(Store):
             self._drop_others()
             self._push()
 
+    def precheck_scatter(self, ids: torch.Tensor) -> None:
+        """Read (and drop) the blocks a scatter of ``ids`` rewrites, up to
+        :data:`PRECHECK_BYTES`, as :meth:`scatter` does before its first write: a damaged
+        chunk raises :class:`~gadgetloader.GadgetFileError` here, with nothing written."""
+        self.check_writable()
+        uid = np.unique(ids.reshape(-1).cpu().numpy())
+        if uid.size == 0:
+            return
+        with self._guard():
+            writer = self._source(write=True)
+            budget = PRECHECK_BYTES
+            for first, last in self._runs(np.unique(uid // self.block_rows)):
+                r0, r1 = self._block_range(first)[0], self._block_range(last)[1]
+                self._check_rows(writer, r0, r1)
+                budget -= (r1 - r0) * self.row_nbytes
+                if budget <= 0:
+                    break
+
     def read_block(self, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` read from the file as a new CPU tensor."""
         self.check_open()

@@ -828,10 +828,16 @@ def load_checkpoint(
             keep_saved_scalar_dtypes(obj, meta["state_dict"])
         elif kind == "offloaded_optimizer":
             obj._load_inner(meta["inner"])
+        switch_pager = None
+        if kind == "optimizer_switch":
+            # follow the torch optimizer's groups (loaded just before, if it came first)
+            # before the tables load: a pager that never stepped refills its tables when the
+            # hyper-parameters moved (Rprop's step_size from lr), which must not wipe them
+            switch_pager = obj._need_pager()
         for tname, path in files.items():
             tables[tname].load(path, format=fmt)
-        if kind == "optimizer_switch":
-            obj._need_pager().set_scalar_state(meta["scalars"])
+        if switch_pager is not None:
+            switch_pager.set_scalar_state(meta["scalars"])
         elif kind == "offloaded_optimizer":
             for pager in obj.pagers:
                 pager.mark_loaded()

@@ -705,6 +705,11 @@ class OffloadedEmbeddingBag(_OffloadedTable):
                     "a 1-D input needs offsets (or pass a 2-D input: one bag per row)"
                 )
             offsets = _on_cpu_or_cuda(torch.as_tensor(offsets), "offsets")
+            if offsets.dtype in (torch.int32, torch.int64) and offsets.dim() != 1:
+                raise GadgetValueError(  # a shape: ValueError, as torch's EmbeddingBag
+                    "offsets must be a 1-D int64 (or int32) tensor of bag starts; got "
+                    f"{offsets.dtype} of shape {tuple(offsets.shape)}"
+                )
             if offsets.dtype not in (torch.int32, torch.int64) or offsets.dim() != 1:
                 raise GadgetTypeError(
                     "offsets must be a 1-D int64 (or int32) tensor of bag starts; got "
@@ -740,6 +745,11 @@ class OffloadedEmbeddingBag(_OffloadedTable):
                     f"bag's mode is {self.mode!r}"
                 )
             w = per_sample_weights
+            if isinstance(w, torch.Tensor) and w.is_floating_point() and tuple(w.shape) != shape:
+                raise GadgetValueError(  # a shape: ValueError, as torch's EmbeddingBag
+                    f"per_sample_weights must be a floating-point tensor of the input's shape "
+                    f"{shape}; got {w.dtype} of shape {tuple(w.shape)}"
+                )
             if (
                 not isinstance(w, torch.Tensor)
                 or not w.is_floating_point()

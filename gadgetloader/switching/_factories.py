@@ -20,15 +20,17 @@ __all__ = ["ModelFactory", "OptimizerFactory", "PytorchModelFactory", "PytorchOp
 
 
 def _cupy_placement(CPUPinn: bool, placement: str | None) -> str:
+    pin = as_flag(CPUPinn, "CPUPinn")  # checked even where placement= decides
     if placement is not None:
         return placement
-    return "pinned" if as_flag(CPUPinn, "CPUPinn") else "cuda"
+    return "pinned" if pin else "cuda"
 
 
 def _torch_placement(deviceType: Any, pinType: bool, placement: str | None) -> str:
     """The placement for SpeedTorch's ``deviceType`` (a device string such as ``'cuda'``,
     ``'cuda:0'``, ``'cpu'``, or a ``torch.device``: its type decides; a CUDA table lives on
     the model variable's GPU) and ``pinType``."""
+    pin = as_flag(pinType, "pinType")  # checked even where deviceType or placement= decides
     if placement is not None:
         return placement
     if not isinstance(deviceType, (str, torch.device)):
@@ -47,7 +49,7 @@ def _torch_placement(deviceType: Any, pinType: bool, placement: str | None) -> s
     if kind == "cuda":
         return "cuda"
     if kind == "cpu":
-        return "pinned" if as_flag(pinType, "pinType") else "cpu"
+        return "pinned" if pin else "cpu"
     raise GadgetValueError(
         f"Unknown deviceType {deviceType!r}; expected 'cuda', 'cpu', 'cuda:N' or a torch.device "
         "of either type"

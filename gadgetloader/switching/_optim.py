@@ -18,12 +18,13 @@ and the recorded values are the rows a never-trained row starts from (so Rprop's
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import re
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -195,16 +196,19 @@ def _group_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str
 
 
 def probe_state(
-    optimizer: torch.optim.Optimizer, param: torch.Tensor, hyper: dict[str, Any] | None = None
+    optimizer: torch.optim.Optimizer,
+    param: torch.Tensor,
+    hyper: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> StateLayout:
     """Find the per-row and scalar state ``optimizer`` keeps for ``param``.
 
     Notes
     -----
     Runs one step of a fresh optimizer of the same class and hyper-parameters on a
-    one-row zero parameter with a zero gradient, on ``param``'s device and dtype,
-    and records state entries as torch creates them. The user's optimizer is not
-    touched.
+    one-row zero parameter with a zero gradient, on ``param``'s device and dtype (or
+    ``dtype``: the one the parameter has while it is paged), and records state entries
+    as torch creates them. The user's optimizer is not touched.
     """
     name = supported_name(optimizer)
     cls = type(optimizer)
@@ -216,7 +220,10 @@ def probe_state(
             f"a paged parameter needs a row axis; got shape {tuple(param.shape)}"
         )
     probe = torch.zeros(
-        (1, *param.shape[1:]), dtype=param.dtype, device=param.device, requires_grad=True
+        (1, *param.shape[1:]),
+        dtype=dtype if dtype is not None else param.dtype,
+        device=param.device,
+        requires_grad=True,
     )
     if hyper.get("differentiable"):
         raise GadgetTypeError(
@@ -257,7 +264,8 @@ def probe_state(
     else:
         probe.grad = zero.detach()
     try:
-        probe_opt.step()
+        with _no_global_step_hooks():
+            probe_opt.step()
     except Exception as exc:
         raise GadgetTypeError(
             f"a {cls.__name__} with these options failed a step on a one-row probe of the "
@@ -285,6 +293,26 @@ def probe_state(
                 f"(supported: {', '.join(SUPPORTED_OPTIMIZERS)})"
             )
     return StateLayout(tuple(row_keys), init_rows, init_scalars, sparse)
+
+
+@contextlib.contextmanager
+def _no_global_step_hooks() -> Iterator[None]:
+    """torch's global optimizer step hooks (``register_optimizer_step_pre_hook`` /
+    ``..._post_hook``) left out for a probe's step: that step is no step of the user's
+    (the same hook objects, in the same order, are back afterwards)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    saved = []
+    for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
+        hooks = getattr(torch_optimizer, name, None)
+        if isinstance(hooks, dict):
+            saved.append((hooks, list(hooks.items())))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            hooks.update(items)
 
 
 def _build_probe(
@@ -429,7 +457,7 @@ class StatePager:
         #: the dtype the parameter has while a model switcher pages it (its table's dtype):
         #: the optimizer's state rows must match it, whatever dtype the state tables keep
         self._param_dtype = table.dtype if table is not None else None
-        self.layout = probe_state(optimizer, param)
+        self.layout = probe_state(optimizer, param, dtype=self._param_dtype)
         row_shape = tuple(param.shape[1:])
         #: the parameter's group, and its hyper-parameters when the layout was probed: the
         #: exact values until the first step (a scheduler may change ``lr`` before it, and
@@ -527,7 +555,7 @@ class StatePager:
             if key == self._hyper_on:
                 return False
             self._hyper_on = key
-        return self._adopt(probe_state(self.optimizer, self.param))
+        return self._adopt(probe_state(self.optimizer, self.param, dtype=self._param_dtype))
 
     def _current_group(self) -> dict[str, Any]:
         """The parameter's group (found again after ``load_state_dict`` rebuilt the groups)."""
@@ -599,7 +627,11 @@ class StatePager:
                 ]
                 for trial in trials:
                     try:
-                        keys |= set(probe_state(self.optimizer, self.param, trial).row_keys)
+                        keys |= set(
+                            probe_state(
+                                self.optimizer, self.param, trial, dtype=self._param_dtype
+                            ).row_keys
+                        )
                     except Exception:  # noqa: BLE001 - a combination torch refuses
                         continue
                 return keys - set(self.tables)
