@@ -36,6 +36,19 @@ N, D, B = 50, 4, 6
 F32, F64 = torch.float32, torch.float64
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 TOL64 = {"rtol": 1e-10, "atol": 1e-12}
+
+
+def asgd_tol(name: str, placement: str, tol: dict[str, float]) -> dict[str, float]:
+    """The tolerance against the CPU reference. torch's ASGD on CUDA computes its factors
+    from ``eta`` / ``mu`` as float32 device tensors where its CPU path takes them as Python
+    floats, so a CUDA run differs from the CPU reference by float32 rounding (measured on
+    the H200: 1e-7 relative per step in float64, up to 1e-4 on small float32 values) --
+    torch's own difference between its CPU and CUDA code, not the paging's."""
+    if name == "ASGD" and placement != "cpu":
+        return {"rtol": 1e-6, "atol": 1e-8} if tol is TOL64 else {"rtol": 2e-4, "atol": 5e-6}
+    return tol
+
+
 CPU = torch.device("cpu")
 
 
@@ -578,7 +591,7 @@ def test_float64_tables_with_groups_match_dense_tightly(placement, name, kw):
     off, opt, ref, lazy = build(name, {"lr": kw["lr"] * 2}, {}, kw, placement, seed=22, dtype=F64)
     for batch in data(23, 5, dtype=F64):
         train_step(off, opt, ref, lazy, batch, dev_of(placement))
-    assert_match(off, opt, ref, lazy, tol=TOL64)
+    assert_match(off, opt, ref, lazy, tol=asgd_tol(name, placement, TOL64))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -703,7 +716,7 @@ def test_empty_batch_mid_training_moves_no_row(placement, name, kw):
             for i in (0, 1, *range(4, len(after))):  # tables and state rows, not the head
                 assert torch.equal(after[i], before[i]), i
             assert not torch.equal(after[2], before[2])  # the head did train
-    assert_match(off, opt, ref, lazy)
+    assert_match(off, opt, ref, lazy, tol=asgd_tol(name, placement, TOL))
 
 
 # ---------------------------------------------------------------------------------------------

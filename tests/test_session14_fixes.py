@@ -90,4 +90,4 @@ def test_out_is_refused_with_an_index_into_the_rows() -> None:
 
 def test_a_tuple_of_ints_stays_a_list_of_ids() -> None:
     g, ref = _table("cpu")
-    np.testing.assert_array_equal(g.getData((1, 3, 3)).numpy(), ref[[1, 3, 3]])
+    np.testing.assert_array_equal(g.getData((1, 3, 3)).cpu().numpy(), ref[[1, 3, 3]])

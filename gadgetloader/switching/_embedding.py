@@ -336,11 +336,15 @@ class _OffloadedTable(nn.Module):
         None where the lookup runs eagerly."""
         if not _captured.ENABLED or not ids.is_cuda or torch.is_inference_mode_enabled():
             return None
-        fused = self._fused_rows(stores)
-        if fused is None or fused.device != ids.device:
-            return None
-        graphs = _captured.graphs_for(self._graphs, fused)
-        _set(self, "_graphs", graphs)
+        graphs = self._graphs
+        if graphs is None or graphs.fused.device != ids.device or not graphs.fused.matches(stores):
+            # (the graphs keep their own transfer: an evaluation lookup between steps, which
+            # moves the table alone, rebuilds the cached one but must not drop the graphs)
+            fused = self._fused_rows(stores)
+            if fused is None or fused.device != ids.device:
+                return None
+            graphs = _captured.LookupGraphs(fused)
+            _set(self, "_graphs", graphs)
         return graphs.run(ids)
 
     def _fused_rows(self, stores: list[Any]) -> FusedRows | None:

@@ -177,8 +177,3 @@ class LookupGraphs:
     def counts(self) -> dict[int, int]:
         """Captured copies by id count."""
         return {n: len(c) for n, c in self._by_count.items()}
-
-
-def graphs_for(current: LookupGraphs | None, fused: FusedRows) -> LookupGraphs:
-    """``current`` if it belongs to ``fused``, else a new (empty) set for it."""
-    return current if current is not None and current.fused is fused else LookupGraphs(fused)
