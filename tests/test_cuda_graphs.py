@@ -269,3 +269,32 @@ def test_byte_budget_and_count_limit_bound_what_is_kept(monkeypatch) -> None:
     np.testing.assert_array_equal(t0, t1)
     for a, b in zip(s0, s1, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+@NEEDS_CUPY
+def test_capture_is_not_broken_by_a_collected_pinned_table(monkeypatch) -> None:
+    """A pinned table freed by the garbage collector synchronises the device; a collection
+    during a capture would break it (and the table's release)."""
+    import gc
+
+    monkeypatch.setattr(_graphs, "ENABLED", True)
+    emb = gl.OffloadedEmbedding(N, D, "pinned", device="cuda", init=_init(6))
+    opt = gl.OffloadedOptimizer(torch.optim.Adam, emb, lr=0.05)
+    batches = _batches(5, 32)
+    old = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)  # collect at almost every allocation
+    try:
+        for ids in batches:
+            cycle: dict[str, Any] = {}
+            cycle["self"] = cycle  # garbage only the collector frees, with a pinned table
+            cycle["table"] = gl.DataGadget((64, 8), dtype="float32", placement="pinned")
+            del cycle
+            opt.zero_grad()
+            emb(ids).sum().backward()
+            opt.step()
+    finally:
+        gc.set_threshold(*old)
+    gc.collect()
+    graphs = emb._graphs
+    assert graphs is not None and graphs.failed is None and graphs.captures >= 1

@@ -22,6 +22,7 @@ Set ``GADGETLOADER_CUDA_GRAPHS=0`` (or :data:`ENABLED` to False) to turn it off.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import weakref
@@ -65,14 +66,22 @@ class _Captured:
         self.ids = torch.empty(n, dtype=torch.int64, device=device)
         self.graph = torch.cuda.CUDAGraph()
         ends = torch.empty(2, dtype=torch.int64, device=device)
-        with torch.no_grad(), torch.cuda.stream(stream):
-            self.graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                # ``ends`` on the device: the pinned copy is queued after each replay
-                plan = plan_rows_async((self.ids,), 1 << 62, ends)
-                outs = fused.gather(plan.ids, plan.n_distinct)  # type: ignore[arg-type]
-            finally:
-                self.graph.capture_end()
+        # no garbage collection while capturing: a collected store's finalizer (a pinned
+        # table being unregistered) synchronises the device, which a capturing thread may not
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.no_grad(), torch.cuda.stream(stream):
+                self.graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    # ``ends`` on the device: the pinned copy is queued after each replay
+                    plan = plan_rows_async((self.ids,), 1 << 62, ends)
+                    outs = fused.gather(plan.ids, plan.n_distinct)  # type: ignore[arg-type]
+                finally:
+                    self.graph.capture_end()
+        finally:
+            if collecting:
+                gc.enable()
         self.plan = plan
         self.ends = ends
         self.outs = outs
