@@ -212,6 +212,16 @@ def run(args: argparse.Namespace) -> int:
         msg = msg.replace("unexpected option(s) ['chunk_rows']", "unexpected option --chunk-rows")
         msg = msg.replace("unexpected option(s) ['compression']", "unexpected option --compression")
         msg = msg.replace(" compression '", " compression (--compression) '")
+        if "torch cannot index unsigned integers" in msg:
+            # the library's hint names DataGadget's dtype=, which this command does not take
+            head, _, tail = msg.partition(" (torch cannot index")
+            kept = tail.split("); tables hold", 1)
+            msg = (
+                f"{head} (torch cannot index unsigned integers wider than 8 bits on every version "
+                "gadgetloader supports; write the values to a file of a signed type first, e.g. "
+                "with NumPy in blocks, or load it with DataGadget(path, dtype='int64'))"
+                + (f"; tables hold{kept[1]}" if len(kept) == 2 else "")
+            )
         if msg.startswith("Unknown format"):
             msg = f"{msg} (--format names the source's format, --to the destination's)"
         print(f"gadgetloader convert: error: {msg}", file=sys.stderr)

@@ -91,3 +91,45 @@ def test_out_is_refused_with_an_index_into_the_rows() -> None:
 def test_a_tuple_of_ints_stays_a_list_of_ids() -> None:
     g, ref = _table("cpu")
     np.testing.assert_array_equal(g.getData((1, 3, 3)).cpu().numpy(), ref[[1, 3, 3]])
+
+
+def test_epochs_past_64_bits_are_refused_not_wrapped() -> None:
+    s = gl.GadgetSampler(10, batch_size=3, seed=1)
+    state = s.state_dict()
+    for bad in (
+        lambda: s.set_epoch(2**64),
+        lambda: s.set_epoch(2**70),
+        lambda: s.load_state_dict({**state, "epoch": 2**64}),
+    ):
+        with pytest.raises(gl.GadgetValueError, match="2\\*\\*64"):
+            bad()
+    assert s.state_dict() == state  # refused calls change nothing
+    s.set_epoch(2**64 - 1)  # the last epoch that is its own
+    last = torch.cat(list(s))
+    s.set_epoch(0)
+    first = torch.cat(list(s))
+    assert sorted(last.tolist()) == sorted(first.tolist()) == list(range(10))
+
+
+def test_bag_include_last_offset_takes_a_bool_only() -> None:
+    with pytest.raises(gl.GadgetTypeError, match="include_last_offset"):
+        gl.OffloadedEmbeddingBag(5, 2, "sum", "cpu", device="cpu", include_last_offset="yes")
+    bag = gl.OffloadedEmbeddingBag(5, 2, "sum", "cpu", device="cpu", include_last_offset=1)
+    assert bag.include_last_offset is True
+
+
+def test_convert_of_a_wide_unsigned_file_gives_advice_the_command_can_follow(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    src = tmp_path / "u.npy"
+    np.save(src, np.arange(6, dtype=np.uint32).reshape(3, 2))
+    out = subprocess.run(
+        [sys.executable, "-m", "gadgetloader", "convert", str(src), str(tmp_path / "u.h5")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1
+    assert "uint32" in out.stderr and "signed type" in out.stderr
+    assert "pass dtype=" not in out.stderr  # (convert has no dtype option)
+    assert not (tmp_path / "u.h5").exists()

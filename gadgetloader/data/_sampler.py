@@ -133,6 +133,18 @@ def _check_int(value: Any, name: str, *, minimum: int) -> int:
     return int(value)
 
 
+def _check_epoch(value: Any) -> int:
+    """An epoch in [0, 2**64): the order mixes it as a 64-bit number, so a larger epoch
+    would silently repeat an earlier epoch's order."""
+    epoch = _check_int(value, "epoch", minimum=0)
+    if epoch >= 1 << 64:
+        raise GadgetValueError(
+            f"epoch must be below 2**64 (it is mixed as 64 bits, so a larger one would repeat "
+            f"an earlier epoch's order); got {epoch}"
+        )
+    return epoch
+
+
 def chunk_rows_of(obj: Any) -> int | None:
     """The read unit in rows of a dataset, DataGadget or store (``chunk_rows`` or a file
     store's ``block_rows``), or None for in-memory tables."""
@@ -478,13 +490,13 @@ class GadgetSampler(Sampler[Any]):
         handed out (else this epoch anew). After :meth:`load_state_dict`, ``set_epoch`` of
         the loaded epoch keeps the loaded position (the ``DistributedSampler`` loop calls
         ``set_epoch`` at the top of every epoch, the resumed one included)."""
-        epoch = _check_int(epoch, "epoch", minimum=0)
+        epoch = _check_epoch(epoch)
         if not (self._resume is not None and epoch == self._epoch):
             self._restart(epoch)
         self._changes = getattr(self, "_changes", 0) + 1
 
     def _restart(self, epoch: int) -> None:
-        self._epoch = _check_int(epoch, "epoch", minimum=0)
+        self._epoch = _check_epoch(epoch)
         self._position = 0
         self._resume = None
         self._passes = getattr(self, "_passes", 0) + 1  # a pass still being read stops here
@@ -524,7 +536,7 @@ class GadgetSampler(Sampler[Any]):
         Row ``epoch_order()[p]`` is at position ``p``; rank ``r`` reads positions
         ``[start_r, start_r + share_r)`` (wrapping around with ``pad``).
         """
-        e = self._epoch if epoch is None else _check_int(epoch, "epoch", minimum=0)
+        e = self._epoch if epoch is None else _check_epoch(epoch)
         fut = self._order_future(e, background=False)
         if fut is None:
             return torch.arange(self._num_rows)
@@ -686,7 +698,7 @@ class GadgetSampler(Sampler[Any]):
                 "GadgetSampler.state_dict()"
             )
         seed = _check_seed(state_dict["seed"])
-        epoch = _check_int(state_dict["epoch"], "epoch", minimum=0)
+        epoch = _check_epoch(state_dict["epoch"])
         self._seed, self._epoch = seed, epoch  # only once everything is checked
         with self._lock:
             self._orders.clear()

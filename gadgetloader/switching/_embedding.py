@@ -23,7 +23,7 @@ from torch import nn
 
 from .._device import cupy_available, resolve_device
 from .._dtypes import as_torch_dtype, dtype_name
-from .._errors import GadgetTypeError, GadgetValueError, as_count
+from .._errors import GadgetTypeError, GadgetValueError, as_count, as_flag
 from .._ids import as_ids, range_check_of
 from ..gadget import DataGadget
 from ..stores._base import FusedRows
@@ -683,11 +683,12 @@ class OffloadedEmbeddingBag(_OffloadedTable):
     ) -> None:
         if mode not in _BAG_MODES:
             raise GadgetValueError(f"Unknown mode {mode!r}; expected one of {list(_BAG_MODES)}")
+        as_flag(include_last_offset, "include_last_offset")  # before the table is allocated
         super().__init__(
             num_embeddings, embedding_dim, placement, dtype=dtype, device=device, init=init
         )
         self.mode = mode
-        self.include_last_offset = include_last_offset
+        self.include_last_offset = bool(as_flag(include_last_offset, "include_last_offset"))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", mode={self.mode!r}"
