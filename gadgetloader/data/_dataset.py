@@ -520,7 +520,7 @@ def _kernel_gather(
     device); what ``Store.gather`` launches for the ``kernel`` strategy, bit for bit."""
     if ids.dim() == 1 and ids.is_contiguous():  # a sampler's batch
         out = view.new_empty(ids.shape[0], *row_shape)
-        _kernels.launch_gather(view, ids, out)
+        _kernels.gather_rows(view, ids, out)
         return out
     flat = ids.reshape(-1).contiguous()  # the kernel reads ids densely
     out = view.new_empty(flat.numel(), *row_shape)

@@ -664,6 +664,60 @@ def launch_gather(
     )
 
 
+#: prepared single-table gathers (see :func:`gather_rows`), by the table's pointer,
+#: shape, strides, dtype and device: the kernel, vector width and the struct's fixed
+#: words. Plain numbers only (no tensor is kept: closing a table still frees it).
+_row_gathers: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+
+def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[j] = table[ids[j]]``: exactly :func:`launch_gather`'s launch for one table,
+    with its checks and geometry resolved once per table (a data loader's batch costs a
+    lookup and ``cuLaunchKernel``). ``ids``: 1-D contiguous int64 on the device; ``out``:
+    contiguous, ``(ids.numel(), *row_shape)``; anything else takes :func:`launch_gather`.
+    """
+    key = (table.data_ptr(), table.shape, table.stride(), table.dtype, table.device)
+    prep = _row_gathers.get(key)
+    if prep is None:
+        row_nbytes, pitch, segs = _check_group([table], [out])
+        device = table.device
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        w = vector_width(row_nbytes, pitch, table.data_ptr())
+        vpr = row_nbytes // w if row_nbytes else 0
+        prep = (
+            _function(idx, UNROLL, f"gl_gather_{w}"),
+            w,
+            vpr * segs,
+            idx,
+            [table.data_ptr()] * MAX_TABLES,
+            [table.shape[0], vpr, pitch // w, segs],
+            row_nbytes,
+            device,
+        )
+        if len(_row_gathers) > 1024:
+            _row_gathers.clear()
+        _row_gathers[key] = prep
+    fn, w, span, idx, head, tail, row_nbytes, device = prep
+    n = ids.numel()
+    if (
+        n == 0
+        or row_nbytes == 0
+        or ids.dim() != 1
+        or out.shape[0] != n
+        or out.data_ptr() % w
+        or not (ids.is_contiguous() and out.is_contiguous())
+    ):
+        launch_gather(table, ids, out)
+        return
+    _launch(
+        fn,
+        (_grid(n * span, idx), 1),
+        [*head, *([out.data_ptr()] * MAX_TABLES), *tail, ids.data_ptr(), 0, n, 0],
+        _GATHER_ARGS,
+        device,
+    )
+
+
 def launch_scatter(
     table: torch.Tensor | list[torch.Tensor],
     ids: torch.Tensor,
