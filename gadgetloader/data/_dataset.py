@@ -45,8 +45,26 @@ class GadgetBatch(tuple):  # type: ignore[type-arg]
     __slots__ = ()
 
     def to(self, device: Any, *, non_blocking: bool = False) -> GadgetBatch:
-        """Every column on ``device`` (no copy for columns already there)."""
-        return GadgetBatch(t.to(device, non_blocking=non_blocking) for t in self)
+        """Every column on ``device`` (no copy for columns already there).
+
+        Only a device is taken (a ``torch.device``, a string such as ``'cuda'``, or a CUDA
+        index): a dtype is refused with :class:`~gadgetloader.GadgetTypeError`, since one
+        cast for every column would turn integer labels into floats; cast columns one by
+        one instead (``x.to(torch.float16), y``)."""
+        if isinstance(device, (torch.dtype, torch.Tensor, bool)):
+            raise GadgetTypeError(
+                "GadgetBatch.to moves every column to a device and takes a device only; got "
+                f"{device if isinstance(device, torch.dtype) else type(device).__name__} (a "
+                "cast of every column would change integer labels too: cast columns one by one)"
+            )
+        try:
+            dev = torch.device(device)
+        except (TypeError, RuntimeError, ValueError) as exc:
+            raise GadgetTypeError(
+                f"GadgetBatch.to takes a device ('cpu', 'cuda', 'cuda:1', an index or a "
+                f"torch.device); got {device!r}"
+            ) from exc
+        return GadgetBatch(t.to(dev, non_blocking=non_blocking) for t in self)
 
     def pin_memory(self) -> GadgetBatch:
         """CPU columns in page-locked memory; GPU columns unchanged (DataLoader's hook)."""

@@ -11,7 +11,7 @@ do, less its per-batch bookkeeping.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from itertools import islice
 from typing import Any
 
@@ -244,10 +244,15 @@ class GadgetLoader:
         """Resume from :meth:`state_dict` at the next ``iter()`` (see
         :meth:`GadgetSampler.load_state_dict`: the saved seed and epoch come with it, and a
         state saved at an epoch's end gives one empty pass, then the next epoch)."""
-        if not isinstance(state_dict, dict) or "sampler" not in state_dict:
+        if not isinstance(state_dict, Mapping):
+            raise GadgetTypeError(
+                "load_state_dict takes a dict from GadgetLoader.state_dict(); got "
+                f"{type(state_dict).__name__}"
+            )
+        if "sampler" not in state_dict:
             raise GadgetValueError(
                 "not a GadgetLoader state: expected a dict from GadgetLoader.state_dict() "
-                "(with a 'sampler' entry)"
+                f"(with a 'sampler' entry); got keys {sorted(map(str, state_dict))}"
             )
         self._sampler.load_state_dict(state_dict["sampler"])  # checks before it changes
         self._active = None

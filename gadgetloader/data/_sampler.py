@@ -15,7 +15,7 @@ from __future__ import annotations
 import operator
 import os
 import threading
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator, Mapping, Sized
 from concurrent.futures import Future
 from typing import Any
 
@@ -133,11 +133,15 @@ def _check_int(value: Any, name: str, *, minimum: int) -> int:
     return int(value)
 
 
+#: the first epoch that cannot be ordered (epochs are mixed as 64-bit numbers)
+_EPOCH_END = 1 << 64
+
+
 def _check_epoch(value: Any) -> int:
     """An epoch in [0, 2**64): the order mixes it as a 64-bit number, so a larger epoch
     would silently repeat an earlier epoch's order."""
     epoch = _check_int(value, "epoch", minimum=0)
-    if epoch >= 1 << 64:
+    if epoch >= _EPOCH_END:
         raise GadgetValueError(
             f"epoch must be below 2**64 (it is mixed as 64 bits, so a larger one would repeat "
             f"an earlier epoch's order); got {epoch}"
@@ -578,18 +582,25 @@ class GadgetSampler(Sampler[Any]):
 
     def _batches(self) -> Iterator[torch.Tensor]:
         epoch, start = self._next_start()
+        if epoch >= _EPOCH_END:
+            # the pass after epoch 2**64 - 1: its order would repeat epoch 0's
+            raise GadgetValueError(
+                f"the sampler has finished epoch 2**64 - 1 ({_EPOCH_END - 1}), the last one it can order "
+                "(epochs are mixed as 64 bits, so the next would repeat epoch 0's order); "
+                "call set_epoch() with a smaller epoch to go on"
+            )
         self._resume = None
         self._epoch, self._position = epoch, start
         self._passes = getattr(self, "_passes", 0) + 1
         mine = self._owner()  # an older pass still being read no longer moves the state
         if start >= self._num_batches:  # resumed after the epoch's last batch: nothing left
-            self._epoch, self._position = epoch + 1, 0
+            self._advance(epoch)
             return
         fut = self._order_future(epoch, background=False)
         order = fut.result() if fut is not None else None
-        self._order_future(epoch + 1, background=True)
-        if self._num_rows <= AHEAD_TWO_ROWS:
-            self._order_future(epoch + 2, background=True)
+        for ahead in (1, 2) if self._num_rows <= AHEAD_TWO_ROWS else (1,):
+            if epoch + ahead < _EPOCH_END:
+                self._order_future(epoch + ahead, background=True)
         # the per-batch path: a slice of the epoch order and a few integer operations
         nb, B, s0, n = self._num_batches, self._batch_size, self._share_start, self._num_rows
         full_end = s0 + (nb - 1) * B  # start of the last batch
@@ -608,8 +619,15 @@ class GadgetSampler(Sampler[Any]):
                 self._position = b + 1
             yield _as_batch(ids)
         if self._epoch == epoch and self._position == self._num_batches and self._owner() == mine:
-            self._epoch = epoch + 1
-            self._position = 0
+            self._advance(epoch)
+
+    def _advance(self, epoch: int) -> None:
+        """Move on to the epoch after ``epoch``, whose batches are all handed out; after the
+        last epoch the state stays at its end (a loadable state; the next pass refuses)."""
+        if epoch + 1 < _EPOCH_END:
+            self._epoch, self._position = epoch + 1, 0
+        else:
+            self._epoch, self._position = epoch, self._num_batches
 
     # ---- resume (torchdata StatefulDataLoader protocol) -------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -652,20 +670,22 @@ class GadgetSampler(Sampler[Any]):
 
         Raises
         ------
+        GadgetTypeError
+            ``state_dict`` is not a mapping (a dict, or any read-only mapping).
         GadgetValueError
             The state was saved for another dataset size, world size, batch size,
             order, ``drop_last`` / ``pad`` setting or chunk layout (the positions would
             mean different rows). The sampler is then unchanged.
         """
-        if not isinstance(state_dict, dict) or "position" not in state_dict:
-            got = (
-                f"a dict without 'position' (keys {sorted(map(str, state_dict))})"
-                if isinstance(state_dict, dict)
-                else type(state_dict).__name__
+        if not isinstance(state_dict, Mapping):
+            raise GadgetTypeError(
+                "load_state_dict takes a dict from GadgetSampler.state_dict(); got "
+                f"{type(state_dict).__name__}"
             )
+        if "position" not in state_dict:
             raise GadgetValueError(
                 "not a GadgetSampler state: expected a dict from GadgetSampler.state_dict(); "
-                f"got {got}"
+                f"got a dict without 'position' (keys {sorted(map(str, state_dict))})"
             )
         if state_dict.get("version") != _STATE_VERSION:
             raise GadgetValueError(
