@@ -35,6 +35,10 @@ __all__ = ["DataGadget", "as_tensor_data", "gather_many", "scatter_many"]
 _Shape = tuple[int, ...]
 
 
+class _NotATensorError(GadgetTypeError, AttributeError):
+    """A tensor's attribute asked of a DataGadget (an AttributeError too, for hasattr)."""
+
+
 def as_tensor_data(data: Any, what: str = "data") -> torch.Tensor:
     """A torch tensor over ``data`` (tensor, NumPy or CuPy array) without copying where possible."""
     if isinstance(data, torch.Tensor):
@@ -489,6 +493,52 @@ class DataGadget:
 
     def __len__(self) -> int:
         return self._store.num_rows
+
+    def dim(self) -> int:
+        """Number of dimensions (the rows, then the row's shape), as ``Tensor.dim()``.
+
+        With :meth:`size`, :meth:`uniform_` and :meth:`normal_` this lets the
+        ``torch.nn.init`` initialisers that read a weight's fans fill the table in place,
+        as they would an ``nn.Embedding``'s weight: ``torch.nn.init.xavier_uniform_(emb.weight)``,
+        ``kaiming_normal_``. Initialisers that need more of a tensor (``trunc_normal_``,
+        ``orthogonal_``) are refused with :class:`~gadgetloader.GadgetTypeError`; run them
+        through :meth:`init_`: ``emb.weight.init_(torch.nn.init.trunc_normal_, std=0.02)``.
+        """
+        return len(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions, as ``Tensor.ndim``."""
+        return len(self.shape)
+
+    def size(self, dim: int | None = None) -> Any:
+        """The shape as a ``torch.Size``, or its length along ``dim``, as ``Tensor.size()``."""
+        if dim is None:
+            return torch.Size(self.shape)
+        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+            raise GadgetTypeError(f"size takes an int dimension; got {type(dim).__name__}")
+        n = len(self.shape)
+        if not -n <= int(dim) < n:
+            raise GadgetIndexError(
+                f"dimension {int(dim)} is out of range for a table of {n} dimensions"
+            )
+        return self.shape[int(dim)]
+
+    def numel(self) -> int:
+        """Number of elements, as ``Tensor.numel()``."""
+        return math.prod(self.shape)
+
+    def __getattr__(self, name: str) -> Any:
+        # (only reached when the usual lookup fails) a tensor's attribute asked of a table:
+        # say what a DataGadget is and what works, still as an AttributeError for hasattr()
+        if not name.startswith("__") and hasattr(torch.Tensor, name):
+            raise _NotATensorError(
+                f"'DataGadget' object has no attribute {name!r}: a DataGadget is a table, not a "
+                "tensor; read rows with g[ids] / getData, write them with insertData, and fill "
+                "the table with a torch initializer through init_ (e.g. "
+                "g.init_(torch.nn.init.trunc_normal_, std=0.02))"
+            )
+        raise AttributeError(f"'DataGadget' object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         closed = ", closed" if self._store.closed else ""

@@ -102,3 +102,41 @@ def test_loader_batches_through_the_prepared_gather_equal_numpy() -> None:
         seen.append(y.cpu().numpy())
     assert np.array_equal(np.sort(np.concatenate(seen)), labels)
     ds.close()
+
+
+# ---- DataGadget's tensor-like facts and torch.nn.init ------------------------------------
+@pytest.mark.parametrize("placement", ["cpu"])
+def test_gadget_dim_size_numel_and_nn_init_fans(placement: str) -> None:
+    g = gl.DataGadget((40, 6), dtype="float32", placement=placement, device="cpu")
+    assert (g.dim(), g.ndim, g.numel()) == (2, 2, 240)
+    assert g.size() == torch.Size([40, 6]) and g.size(0) == 40 and g.size(-1) == 6
+    with pytest.raises(gl.GadgetIndexError, match="out of range"):
+        g.size(2)
+    with pytest.raises(gl.GadgetTypeError, match="int dimension"):
+        g.size(1.0)  # type: ignore[arg-type]
+    # xavier_uniform_ on the gadget equals xavier_uniform_ on the table's tensor
+    torch.manual_seed(4)
+    torch.nn.init.xavier_uniform_(g)  # type: ignore[arg-type]
+    torch.manual_seed(4)
+    ref = torch.nn.init.xavier_uniform_(torch.empty(40, 6))
+    assert torch.equal(g.getData(range(40)).cpu(), ref)
+    torch.nn.init.kaiming_normal_(g)  # type: ignore[arg-type]
+    assert not torch.equal(g.getData(range(40)).cpu(), ref)
+
+
+def test_a_tensor_attribute_of_a_gadget_is_a_clear_error_and_hasattr_is_false() -> None:
+    g = gl.DataGadget(torch.ones(5, 2), placement="cpu", device="cpu")
+    assert not hasattr(g, "is_meta") and not hasattr(g, "no_such_thing")
+    with pytest.raises(gl.GadgetTypeError, match="init_") as info:
+        g.erfinv_()  # type: ignore[attr-defined]
+    assert isinstance(info.value, AttributeError)
+    with pytest.raises(AttributeError) as plain:
+        g.no_such_thing  # type: ignore[attr-defined]  # noqa: B018
+    assert not isinstance(plain.value, gl.GadgetError)
+    assert torch.equal(g.getData(range(5)).cpu(), torch.ones(5, 2))
+    import copy
+    import pickle
+
+    h = pickle.loads(pickle.dumps(g))  # __getattr__ does not disturb unpickling
+    assert torch.equal(h.getData(range(5)).cpu(), torch.ones(5, 2))
+    assert torch.equal(copy.deepcopy(g).getData(range(5)).cpu(), torch.ones(5, 2))

@@ -839,6 +839,24 @@ class _Groups(list):  # type: ignore[type-arg]
         return super().__getitem__(index)
 
 
+def _refuse_unordered(x: Any, where: str) -> None:
+    """A table (``emb.weight``) or a set where parameters are expected: refused before
+    anything iterates it (a DataGadget iterates its rows; a set's order, and so which
+    table each saved state loads into, changes between runs -- torch refuses sets too)."""
+    if isinstance(x, DataGadget):
+        raise GadgetTypeError(
+            f"{where}: got a DataGadget (an offloaded embedding's table, emb.weight?); the "
+            "table is not a parameter: pass the OffloadedEmbedding module itself (or the model "
+            "holding it)"
+        )
+    if isinstance(x, (set, frozenset)):
+        raise GadgetTypeError(
+            f"{where}: optimizer parameters need to be in an ordered collection such as a "
+            "list; the order of a set changes between runs (and with it which table each saved "
+            "optimizer state is loaded into)"
+        )
+
+
 def _collect(
     params: Any,
 ) -> tuple[list[_OffloadedTable], list[Any], list[tuple[dict[str, Any], list[_OffloadedTable]]]]:
@@ -851,6 +869,7 @@ def _collect(
     """
     if isinstance(params, (nn.Module, torch.Tensor, dict)):
         params = [params]
+    _refuse_unordered(params, "params")
     try:
         items = list(params)
     except TypeError:
@@ -864,6 +883,7 @@ def _collect(
     def expand(x: Any, where: str) -> tuple[list[_OffloadedTable], list[Any]]:
         if isinstance(x, (nn.Module, torch.Tensor)):
             x = [x]
+        _refuse_unordered(x, where)
         tables: list[_OffloadedTable] = []
         plain: list[Any] = []
         try:
@@ -887,6 +907,7 @@ def _collect(
                     seen.add(id(item))
                     plain.append(item)
             else:
+                _refuse_unordered(item, where)
                 raise GadgetTypeError(
                     f"{where}: expected modules or parameters, got {type(item).__name__}"
                 )
@@ -1004,7 +1025,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         others = [p for g, _ in dict_groups for p in g["params"]] + plain
         if not tables and not others:
             raise GadgetValueError(
-                "OffloadedOptimizer got no parameters and no offloaded embeddings"
+                "OffloadedOptimizer got no parameters and no offloaded embeddings (an "
+                "offloaded table is not a parameter, so model.parameters() does not reach it: "
+                "pass the model, or its embedding modules, instead)"
             )
         if not tables:
             warnings.warn(
@@ -1072,7 +1095,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     "this offloaded embedding already belongs to an OffloadedOptimizer"
                 )
         if not tables and not group["params"]:
-            raise GadgetValueError("add_param_group got no parameters and no offloaded embeddings")
+            raise GadgetValueError(
+                "add_param_group got no parameters and no offloaded embeddings (an offloaded "
+                "table is not a parameter, so model.parameters() does not reach it: pass the "
+                "embedding modules instead)"
+            )
         slots = [m._slot.param for m in tables]
         n_groups = list.__len__(self.inner.param_groups)
         self.inner.add_param_group({**group, "params": group["params"] + slots})
