@@ -85,6 +85,26 @@ def _rows_of(sl: slice, n: int) -> range:
         ) from None
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_row_slice(sl: slice) -> None:
+    """A slice into each row: int bounds (or None) and a positive step (a tensor view has
+    no negative strides)."""
+    for name in ("start", "stop", "step"):
+        v = getattr(sl, name)
+        if v is not None and not _is_int(v):
+            raise GadgetTypeError(
+                f"a slice into the rows takes int bounds and step; got {name}={v!r} in {sl!r}"
+            )
+    if sl.step is not None and sl.step <= 0:
+        raise GadgetValueError(
+            f"a slice into the rows takes a positive step (a zero step selects nothing, and "
+            f"a view of the rows cannot run backwards); got {sl!r}"
+        )
+
+
 def _index_text(rest: tuple[Any, ...]) -> str:
     return ", ".join(
         f"{x.start if x.start is not None else ''}:{x.stop if x.stop is not None else ''}"
@@ -566,7 +586,9 @@ class DataGadget:
             As in SpeedTorch (CuPy indexing), a ``slice`` is a range of rows, and a tuple
             holding a slice, an array or a tensor is a NumPy-style index: row ids first,
             then slices or ints into each row, e.g. ``(slice(0, 6), slice(0, 3))`` is
-            ``table[0:6, 0:3]`` (``out=`` then refused). A tuple of plain ints is a list of ids.
+            ``table[0:6, 0:3]`` (``out=`` then refused); so is a list of ids followed by
+            ints, ``([1, 2], 0)``. A tuple of plain ints is a list of ids. Slices into the
+            row take int bounds and a positive step.
         device : optional
             Deliver to this device instead of :attr:`device`. In a DataLoader worker
             process, or a process forked after CUDA started, rows come back on the
@@ -704,15 +726,24 @@ class DataGadget:
 
     def _split_index(self, indexes: Any) -> tuple[Any, tuple[Any, ...]]:
         """(row ids, index into each row) of a NumPy-style index: a ``slice`` of rows is
-        their ``range``; a tuple holding a slice, an array or a tensor is (rows, then an
+        their ``range``; a tuple holding a slice, an array or a tensor, or a list (or
+        range) of ids followed by ints, is (rows, then an
         index into the row: slices and ints). Other indexes are row ids as they are
         (a tuple of ints is a list of ids)."""
         if isinstance(indexes, slice):
             return _rows_of(indexes, len(self)), ()
-        if isinstance(indexes, tuple) and any(
-            isinstance(x, (slice, np.ndarray, torch.Tensor))
-            or hasattr(x, "__cuda_array_interface__")
-            for x in indexes
+        if isinstance(indexes, tuple) and (
+            any(
+                isinstance(x, (slice, np.ndarray, torch.Tensor))
+                or hasattr(x, "__cuda_array_interface__")
+                for x in indexes
+            )
+            or (
+                # a list (or range) of ids, then ints into the row: g[[1, 2], 0], as NumPy
+                len(indexes) > 1
+                and isinstance(indexes[0], (list, range))
+                and all(_is_int(x) for x in indexes[1:])
+            )
         ):
             if len(indexes) > 1 + len(self.row_shape):
                 raise GadgetIndexError(
@@ -723,9 +754,10 @@ class DataGadget:
             if isinstance(rows, slice):
                 rows = _rows_of(rows, len(self))
             for x in rest:
-                if isinstance(x, slice) or (
-                    isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-                ):
+                if isinstance(x, slice):
+                    _check_row_slice(x)
+                    continue
+                if _is_int(x):
                     continue
                 raise GadgetTypeError(
                     "an index into the rows (after the row ids) takes slices and ints; got "

@@ -533,6 +533,12 @@ class Hdf5Source(ArraySource):
         HDF5 reads past the end of a file as zeros, which would pass for rows. Truncated
         or replaced in place by a smaller file; a chunk another process moved is judged
         by where this process last saw it."""
+        if self._mode == "r+" and getattr(self, "_unflushed", False):
+            # this handle's own writes since its last flush: HDF5 may have placed a
+            # rewritten (compressed) chunk past the file's current end and hold its bytes in
+            # its chunk cache until the flush, so the file's size says nothing yet (the call
+            # that wrote them checked the file before its first write)
+            return
         try:
             size = os.fstat(ds.file.id.get_vfd_handle()).st_size
         except Exception:  # a driver without a file descriptor
@@ -812,6 +818,7 @@ class Hdf5Source(ArraySource):
                 OSError,
                 ValueError,
                 RuntimeError,
+                MemoryError,  # (h5py's read_direct_chunk of an unallocated compressed chunk)
                 zlib.error,
             ):  # unallocated chunk, ...
                 ok = False
