@@ -172,6 +172,7 @@ def test_kernel_gather_hands_the_kernel_dense_flat_ids(monkeypatch: pytest.Monke
         torch.index_select(table, 0, ids, out=out)  # what the kernel computes
 
     monkeypatch.setattr(_kernels, "launch_gather", launch)
+    monkeypatch.setattr(_kernels, "gather_rows", launch)  # (a sampler batch's prepared launch)
     view = torch.randn(50, 3, 2)
     for ids in (
         torch.arange(10),
