@@ -165,8 +165,10 @@ def _is_shape(obj: Any) -> bool:
 
 
 def _unsigned_to(a: np.ndarray, target: torch.dtype, where: str = "the source array") -> np.ndarray:
-    """A uint16/32/64 array (no torch table dtype) as ``target``, if every value fits
-    (``where``: what holds the values, for the message)."""
+    """A uint16/32/64 array (no torch table dtype) as ``target``, if every value is within
+    its range (``where``: what holds the values, for the message). A float target rounds
+    as NumPy's cast does (bfloat16 through float32), as an int64 array cast to a float
+    dtype would."""
     if target == torch.bfloat16:  # no NumPy bfloat16: through float32, which holds any uint64
         return a.astype(np.float32)
     npd = numpy_dtype(target)
@@ -416,14 +418,17 @@ class DataGadget:
         progress: bool | None,
         dtype: Any,
         options: dict[str, Any],
+        unsigned_to: torch.dtype | None = None,
     ) -> Store:
-        # with dtype=, a uint16/32/64 file (no table holds those) is read as bits and
-        # converted on the way in, as an array of those dtypes would be
-        extra = {"wide_unsigned": True} if dtype is not None and placement != "file" else {}
+        # with dtype= (or ``unsigned_to``: a reload keeping the table's dtype), a
+        # uint16/32/64 file (no table holds those) is read as bits and converted on the way
+        # in, as an array of those dtypes would be
+        convert = dtype if dtype is not None else unsigned_to
+        extra = {"wide_unsigned": True} if convert is not None and placement != "file" else {}
         source = _io.open_source(path, format=fmt, dataset=dataset, **extra)
         wide = source.unsigned_bits
         try:
-            table_dtype = source.dtype if wide is None else as_torch_dtype(dtype)
+            table_dtype = source.dtype if wide is None else as_torch_dtype(convert)
             if wide is None and dtype is not None and as_torch_dtype(dtype) != source.dtype:
                 raise GadgetTypeError(
                     f"{path} holds {dtype_name(source.dtype)} but dtype={dtype!r} was requested"
@@ -1170,6 +1175,11 @@ class DataGadget:
     ) -> None:
         """Replace the table with a file's contents, keeping the placement.
 
+        A uint16/32/64 file (no table dtype holds those) converts into the table's own
+        dtype, as ``DataGadget(path, dtype=...)`` converted it (a value beyond that dtype's
+        range is refused with nothing changed; a float dtype rounds as any int-to-float
+        cast does).
+
         A table interleaved with its optimizer states (see ``OffloadedOptimizer``)
         is overwritten in place, and then the file must hold the same shape and dtype;
         the file is read into a staging copy first (1x the table in ordinary RAM, as a
@@ -1189,6 +1199,7 @@ class DataGadget:
             progress,
             None,
             self._file_options if self.placement == "file" else {},
+            unsigned_to=self.dtype,  # a uint16/32/64 file converts into this table's dtype
         )
         owner = self.__dict__.get("_owner")
         if (
@@ -1337,12 +1348,15 @@ def gather_many(
     The ids are converted and checked once; tables that are all CUDA-addressable
     (``cuda`` / ``pinned``) with the same row size in bytes are moved by one GPU launch
     per four tables, others one by one. Returns one tensor per table, as
-    :meth:`DataGadget.getData` would (same rules for ``device`` and ``check_ids``).
+    :meth:`DataGadget.getData` would (same rules for ``device`` and ``check_ids``; the ids
+    may be a ``slice`` of rows too).
     """
     group = _fused_group(gadgets)
     first = group[0]
     first._store.check_open()
     dev = first._delivery_device(device)
+    if isinstance(indexes, slice):  # a slice of rows, as getData takes
+        indexes = _rows_of(indexes, len(first))
     ids = as_ids(indexes, len(first), first._store.ids_device(dev), check=check_ids)
     stores = [g._store for g in group]
     if all(s.ids_device(dev) == ids.device for s in stores):
@@ -1375,7 +1389,7 @@ def scatter_many(gadgets: Any, rows: Any, indexes: Any, *, check_ids: bool = Tru
     if len(rows) != len(group):
         raise GadgetValueError(f"got {len(group)} tables but {len(rows)} row tensors")
     checked = []
-    ids = indexes
+    ids = _rows_of(indexes, len(group[0])) if isinstance(indexes, slice) else indexes
     for k, (g, r) in enumerate(zip(group, rows, strict=True)):
         try:
             g._store.check_writable()
