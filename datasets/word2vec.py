@@ -233,6 +233,11 @@ def train(
             chunk = ids[first : start + chunk_tokens + window]
             core = (start - first, start - first + min(chunk_tokens, ids.shape[0] - start))
             c, x = skipgram_pairs(chunk, window, rng, centers_in=core)
+            # the bar's total: the pairs made so far plus an estimate for the tokens left,
+            # exact once the last chunk's pairs are made (so the bar ends at 100%)
+            left = ids.shape[0] - (start + core[1] - core[0])
+            bar.total = bar.n + c.shape[0] + left * (window + 1)
+            bar.refresh()
             perm = rng.permutation(c.shape[0])
             c_t = torch.from_numpy(c[perm]).to(dev)
             x_t = torch.from_numpy(x[perm]).to(dev)
@@ -291,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dim", type=_count(1), default=100)
     p.add_argument("--epochs", type=_count(1), default=1)
     p.add_argument("--window", type=_count(1), default=5)
-    p.add_argument("--negatives", type=_count(1), default=5)
+    p.add_argument("--negatives", type=_count(1, 1 << 20), default=5)
     p.add_argument(
         "--batch-size", type=_count(1), default=4096, help="(center, context) pairs per step"
     )

@@ -165,6 +165,22 @@ def _main(argv: Sequence[str] | None) -> int:
         except (GadgetError, OSError) as exc:  # bad options, a missing --dir: one line
             print(f"gadgetloader bench: error: {exc}", file=sys.stderr)
             return 1
+        except MemoryError as exc:  # a size beyond this machine's RAM: one line too
+            print(
+                f"gadgetloader bench: error: not enough memory for the sizes asked "
+                f"({type(exc).__name__}: {str(exc)[:200]}); choose smaller sizes",
+                file=sys.stderr,
+            )
+            return 1
+        except RuntimeError as exc:
+            if "memory" not in str(exc).lower() and "alloc" not in str(exc).lower():
+                raise
+            print(
+                f"gadgetloader bench: error: not enough memory for the sizes asked "
+                f"({str(exc).splitlines()[0][:200]}); choose smaller sizes",
+                file=sys.stderr,
+            )
+            return 1
         except KeyboardInterrupt:
             print("gadgetloader bench: interrupted", file=sys.stderr)
             return 130

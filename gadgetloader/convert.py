@@ -91,8 +91,12 @@ def convert(
         Any problem with either file; ``dst`` is then left as it was.
     """
     src_p, dst_p = as_path(src), as_path(dst)
-    if os.path.abspath(src_p) == os.path.abspath(dst_p):
-        raise GadgetValueError(f"convert: source and destination are the same path {src_p!r}")
+    if os.path.realpath(src_p) == os.path.realpath(dst_p) or _same_file(src_p, dst_p):
+        # (through a symbolic or hard link too: a save replaces the file the link names)
+        raise GadgetValueError(
+            f"convert: source and destination are the same file {src_p!r}"
+            + ("" if os.path.abspath(src_p) == os.path.abspath(dst_p) else f" (through {dst_p!r})")
+        )
     t0 = time.perf_counter()
     try:
         source = _io.open_source(src_p, format=src_format, dataset=dataset)
@@ -190,6 +194,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either does not exist (yet)
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``gadgetloader convert``; prints one line and returns the exit status."""
     try:
@@ -207,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
     except GadgetError as exc:
         # the library's messages name keyword arguments; on the command line they are flags
         msg = str(exc).replace("pass dataset= to", "pass --dataset to")
+        msg = msg.replace("(omit dataset=)", "(omit --dataset)")
         msg = msg.replace("or pass format=...", "or pass --format (source) / --to (destination)")
         msg = msg.replace("chunk_rows must", "--chunk-rows must")
         msg = msg.replace("unexpected option(s) ['chunk_rows']", "unexpected option --chunk-rows")

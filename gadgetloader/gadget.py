@@ -418,17 +418,14 @@ class DataGadget:
         progress: bool | None,
         dtype: Any,
         options: dict[str, Any],
-        unsigned_to: torch.dtype | None = None,
     ) -> Store:
-        # with dtype= (or ``unsigned_to``: a reload keeping the table's dtype), a
-        # uint16/32/64 file (no table holds those) is read as bits and converted on the way
-        # in, as an array of those dtypes would be
-        convert = dtype if dtype is not None else unsigned_to
-        extra = {"wide_unsigned": True} if convert is not None and placement != "file" else {}
+        # with dtype=, a uint16/32/64 file (no table holds those) is read as bits and
+        # converted on the way in, as an array of those dtypes would be
+        extra = {"wide_unsigned": True} if dtype is not None and placement != "file" else {}
         source = _io.open_source(path, format=fmt, dataset=dataset, **extra)
         wide = source.unsigned_bits
         try:
-            table_dtype = source.dtype if wide is None else as_torch_dtype(convert)
+            table_dtype = source.dtype if wide is None else as_torch_dtype(dtype)
             if wide is None and dtype is not None and as_torch_dtype(dtype) != source.dtype:
                 raise GadgetTypeError(
                     f"{path} holds {dtype_name(source.dtype)} but dtype={dtype!r} was requested"
@@ -1175,10 +1172,9 @@ class DataGadget:
     ) -> None:
         """Replace the table with a file's contents, keeping the placement.
 
-        A uint16/32/64 file (no table dtype holds those) converts into the table's own
-        dtype, as ``DataGadget(path, dtype=...)`` converted it (a value beyond that dtype's
-        range is refused with nothing changed; a float dtype rounds as any int-to-float
-        cast does).
+        The file is read as it is: a uint16/32/64 file (no table dtype holds those) is
+        refused with :class:`~gadgetloader.GadgetTypeError`, and the table is unchanged;
+        build a new table with ``DataGadget(path, dtype='int64')`` to convert one.
 
         A table interleaved with its optimizer states (see ``OffloadedOptimizer``)
         is overwritten in place, and then the file must hold the same shape and dtype;
@@ -1191,16 +1187,24 @@ class DataGadget:
             self._load_in_place(as_path(path), dataset, format, progress)
             self._wrote()
             return
-        new = self._open_file(
-            as_path(path),
-            self.placement if self.placement != "file" else self._placement_requested,
-            dataset,
-            format,
-            progress,
-            None,
-            self._file_options if self.placement == "file" else {},
-            unsigned_to=self.dtype,  # a uint16/32/64 file converts into this table's dtype
-        )
+        try:
+            new = self._open_file(
+                as_path(path),
+                self.placement if self.placement != "file" else self._placement_requested,
+                dataset,
+                format,
+                progress,
+                None,
+                self._file_options if self.placement == "file" else {},
+            )
+        except GadgetTypeError as exc:
+            if "torch cannot index unsigned" not in str(exc):
+                raise
+            # the advice names DataGadget's dtype=, which load() does not take
+            raise GadgetTypeError(
+                f"{exc}; load() and loadCupy() read a file as it is (they take no dtype=): build "
+                "a new table from it with DataGadget(path, dtype=...) instead (nothing was changed)"
+            ) from None
         owner = self.__dict__.get("_owner")
         if (
             owner is not None

@@ -43,7 +43,7 @@ import torch
 from .._device import cuda_available, cupy_available
 from .._errors import FallbackWarning, GadgetFileNotFoundError
 from ..io import load_into, open_source
-from ._common import comma_list, format_table, non_negative_int, positive_float, positive_int
+from ._common import comma_list, format_table, non_negative_int, positive_finite_float, positive_int
 
 __all__ = ["add_arguments", "run"]
 
@@ -54,13 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``gadgetloader bench files``."""
     p.add_argument(
         "--mb",
-        type=positive_float,
+        type=positive_finite_float,
         default=256.0,
         help="table size in MB for the load test (default 256)",
     )
     p.add_argument(
         "--gb",
-        type=positive_float,
+        type=positive_finite_float,
         default=None,
         help="table size in GB (overrides --mb; e.g. --gb 4)",
     )
@@ -83,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--random-mb",
-        type=positive_float,
+        type=positive_finite_float,
         default=None,
         help="table size in MB for random reads (default: min(size, 256), so a --gb 4 run "
         "times the same random reads as the default run)",
@@ -96,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cache-mb",
-        type=positive_float,
+        type=positive_finite_float,
         default=None,
         help="file store cache budget (default: 1/8 of the random table)",
     )

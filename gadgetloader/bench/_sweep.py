@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 from typing import Any
 
@@ -73,7 +74,9 @@ def _options(
             raise GadgetValueError(
                 f"{what} must be comma-separated numbers; got {text!r}"
             ) from None
-        if not values or any(v < low or (high is not None and v > high) for v in values):
+        if not values or any(
+            not math.isfinite(v) or v < low or (high is not None and v > high) for v in values
+        ):
             bound = f"in [{low}, {high}]" if high is not None else f"at least {low}"
             raise GadgetValueError(f"{what} values must be {bound}; got {text!r}")
         return values
@@ -112,7 +115,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print("sweep: skipped -- it measures host<->GPU transfers and needs a CUDA device")
         if getattr(args, "plot", None):
             print(f"plot: nothing to draw, {args.plot} not written")
-        return {"benchmark": "sweep", "skipped": "no CUDA device", "results": []}
+        return {"benchmark": "sweep", "skipped": ["no CUDA device"], "results": []}
     dev = torch.device("cuda")
     cap = 0.6 * _free_ram()
     skipped = [f"{s} GB (over 60% of free RAM)" for s in sizes if s * 1e9 > cap]
@@ -121,6 +124,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     link_cache: dict[int, dict[str, float]] = {}
     gen = torch.Generator(device="cpu").manual_seed(0)
     for pages in comma_list(str(args.pages), PAGE_KINDS, "--pages"):
+        if not sizes:  # every size over the RAM cap: all reported as skipped
+            break
         max_bytes = int(max(sizes) * 1e9)
         try:
             store = PinnedStore((max_bytes // 4,), torch.float32, dev, pages=pages)

@@ -586,11 +586,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if getattr(args, "profile", None):
                 _profile(m, batches, device, args.profile, name)
             h2d, d2h = 0, 0
-            for b in batches[: min(8, len(batches))]:
-                a, c = m.bytes_per_step(b, row_bytes)
-                h2d, d2h = h2d + a, d2h + c
-            nb = min(8, len(batches))
-            h2d, d2h = h2d // nb, d2h // nb
+            if has_cuda:  # (without CUDA nothing crosses PCIe: the tables are host tensors)
+                for b in batches[: min(8, len(batches))]:
+                    a, c = m.bytes_per_step(b, row_bytes)
+                    h2d, d2h = h2d + a, d2h + c
+                nb = min(8, len(batches))
+                h2d, d2h = h2d // nb, d2h // nb
             entry: dict[str, Any] = {
                 "ms_per_step": ms,
                 "steps_per_s": 1e3 / ms if ms > 0 else float("inf"),

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .._device import cupy_available, pinned_empty
-from .._errors import GadgetKeyError, GadgetValueError
+from .._errors import GadgetKeyError, GadgetTypeError, GadgetValueError
 from .._ids import _upload
 from . import _kernels
 
@@ -213,6 +213,26 @@ def _check_fused(tables: list[torch.Tensor]) -> None:
             )
 
 
+def _int64_ids(ids: Any) -> torch.Tensor:
+    """Ids as int64 (the row kernels read 8-byte integers): other integer dtypes are
+    widened, so every strategy takes the same ids; anything else is refused. (Ids are
+    range-checked by the caller: see :func:`gadgetloader._ids.as_ids`.)"""
+    if isinstance(ids, torch.Tensor) and ids.dtype == torch.int64:
+        return ids
+    if (
+        isinstance(ids, torch.Tensor)
+        and not ids.dtype.is_floating_point
+        and not ids.dtype.is_complex
+        and ids.dtype != torch.bool
+    ):
+        return ids.long()
+    raise GadgetTypeError(
+        "the transfer engine takes integer id tensors (convert and check them with "
+        "gadgetloader._ids.as_ids, as DataGadget does); got "
+        f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}"
+    )
+
+
 def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors on one device may share bytes (their address ranges meet)."""
     if a.device != b.device or a.numel() == 0 or b.numel() == 0:
@@ -270,6 +290,7 @@ def gather_many(
     tables = _as_list(tables)
     hosts = [None] * len(tables) if hosts is None else _as_list(hosts)
     _check_fused(tables)
+    ids = _int64_ids(ids)
     n = ids.numel()
     flat = ids.reshape(-1)
     results: list[torch.Tensor] = []
@@ -496,9 +517,23 @@ def scatter_many(
     if len(rows) != len(tables):
         raise GadgetValueError(f"got {len(tables)} tables but {len(rows)} row tensors")
     _check_fused(tables)
+    ids = _int64_ids(ids)
     first = tables[0]
+    n = ids.numel()
+    for k, (table, r) in enumerate(zip(tables, rows, strict=True)):
+        # every strategy writes the same thing, or none does: the kernels copy bytes, so rows
+        # of another dtype or size must not reach them
+        if not isinstance(r, torch.Tensor) or r.dtype != table.dtype:
+            raise GadgetTypeError(
+                f"rows for table {k} must be a {table.dtype} tensor (the table's dtype); got "
+                f"{r.dtype if isinstance(r, torch.Tensor) else type(r).__name__}"
+            )
+        if r.numel() != n * math.prod(table.shape[1:]):
+            raise GadgetValueError(
+                f"rows for table {k} must have shape {(*ids.shape, *table.shape[1:])} "
+                f"({n} ids); got {tuple(r.shape)}"
+            )
     flat = _ids_on(ids.reshape(-1), first.device)  # the kernels read ids densely
-    n = flat.numel()
     if n == 0 or math.prod(first.shape[1:]) == 0:
         return
     srcs = []

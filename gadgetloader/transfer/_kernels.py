@@ -362,11 +362,20 @@ def pitch_nbytes(table: torch.Tensor) -> int:
     more for a view of one slot of an interleaved table. The elements of a row must be
     contiguous."""
     row = _row_nbytes(table)
-    if table.is_contiguous() or table.shape[0] <= 1:
+    if table.is_contiguous() or table.shape[0] == 0:
         return row
     inner = table[0]
+    if inner.numel() > 1 and not inner.is_contiguous():
+        # (one row too: a kernel moves a row as one run of bytes, and would write between
+        # the elements of a strided row)
+        raise ValueError(
+            f"a table's rows must each be contiguous and not overlap; got strides "
+            f"{tuple(table.stride())} for shape {tuple(table.shape)}"
+        )
+    if table.shape[0] == 1:
+        return row
     pitch = table.stride(0) * table.element_size()
-    if (inner.numel() > 1 and not inner.is_contiguous()) or pitch < row:
+    if pitch < row:
         # (a stride-0 or overlapping view: rows would alias each other)
         raise ValueError(
             f"a table's rows must each be contiguous and not overlap; got strides "
@@ -528,6 +537,10 @@ def group_geometry(tables: list[torch.Tensor]) -> tuple[int, int, int]:
     row_nbytes = _row_nbytes(first)
     pitch = pitch_nbytes(first)
     for t in tables[1:]:
+        if t.device != first.device:
+            raise ValueError(
+                f"fused tables must be on one device; got {first.device} and {t.device}"
+            )
         if t.shape[0] != first.shape[0] or _row_nbytes(t) != row_nbytes:
             raise ValueError(
                 "fused tables must have the same number of rows and the same row size; got "
@@ -545,18 +558,54 @@ def group_geometry(tables: list[torch.Tensor]) -> tuple[int, int, int]:
     return geom
 
 
-def _check_group(tables: list[torch.Tensor], others: list[torch.Tensor]) -> tuple[int, int, int]:
-    """Validate a fused group and its dense buffers; return :func:`group_geometry`."""
+def _check_group(
+    tables: list[torch.Tensor],
+    others: list[torch.Tensor],
+    ids: torch.Tensor | None = None,
+    pos: torch.Tensor | None = None,
+    rows_needed: int | None = None,
+) -> tuple[int, int, int]:
+    """Validate a fused group, its dense buffers (contiguous, on the tables' device, rows
+    of the tables' row size, at least ``rows_needed`` of them) and its ``ids`` / ``pos``
+    (contiguous int64 on that device): a kernel reads and writes every buffer by these
+    facts, so a wrong one would reach memory outside it. Returns :func:`group_geometry`."""
     if len(others) != len(tables):
         raise ValueError(
             f"a fused launch takes 1..{MAX_TABLES} tables with one buffer each; "
             f"got {len(tables)} tables and {len(others)} buffers"
         )
     geom = group_geometry(tables)
+    device = tables[0].device
     for o in others:
-        if not o.is_contiguous():
-            raise ValueError("the dense row buffers of a launch must be contiguous")
+        _check_buffer(o, geom[0], device, rows_needed)
+    for name, t in (("ids", ids), ("pos", pos)):
+        if t is not None and (
+            t.dtype != torch.int64 or t.device != device or not t.is_contiguous()
+        ):
+            raise ValueError(
+                f"a launch's {name} must be contiguous int64 on {device}; got "
+                f"{'' if t.is_contiguous() else 'non-contiguous '}{t.dtype} on {t.device}"
+            )
     return geom
+
+
+def _check_buffer(
+    o: torch.Tensor, row_nbytes: int, device: torch.device, rows_needed: int | None
+) -> None:
+    if not o.is_contiguous():
+        raise ValueError("the dense row buffers of a launch must be contiguous")
+    if o.device != device:
+        raise ValueError(f"a launch's row buffers must be on {device}; got one on {o.device}")
+    if o.dim() == 0 or math.prod(o.shape[1:]) * o.element_size() != row_nbytes:
+        raise ValueError(
+            f"a launch's row buffers must hold rows of {row_nbytes} bytes (the tables'); got "
+            f"shape {tuple(o.shape)} {o.dtype}"
+        )
+    if rows_needed is not None and o.shape[0] < rows_needed:
+        raise ValueError(
+            f"a launch of {rows_needed} ids needs row buffers of at least {rows_needed} rows; "
+            f"got {o.shape[0]}"
+        )
 
 
 def _pointer_args(tensors: list[torch.Tensor]) -> list[int]:
@@ -635,8 +684,8 @@ def launch_gather(
     """
     tables = table if isinstance(table, list) else [table]
     outs = out if isinstance(out, list) else [out]
-    geom = _check_group(tables, outs)
     n = ids.numel()
+    geom = _check_group(tables, outs, ids, pos, n if pos is None else None)
     if n == 0 or geom[0] == 0:
         return
     device = outs[0].device
@@ -703,11 +752,17 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> No
         n == 0
         or row_nbytes == 0
         or ids.dim() != 1
+        or ids.dtype != torch.int64
+        or ids.device != device
+        or out.device != device
+        or out.dim() == 0
         or out.shape[0] != n
+        or math.prod(out.shape[1:]) * out.element_size() != row_nbytes
         or out.data_ptr() % w
         or not (ids.is_contiguous() and out.is_contiguous())
     ):
-        launch_gather(table, ids, out)
+        # the general launch, which reads ids densely and refuses what does not fit
+        launch_gather(table, ids.reshape(-1).contiguous(), out)
         return
     _launch(
         fn,
@@ -746,8 +801,8 @@ def launch_scatter(
     """
     tables = table if isinstance(table, list) else [table]
     srcs = rows if isinstance(rows, list) else [rows]
-    geom = _check_group(tables, srcs)
     n = ids.numel()
+    geom = _check_group(tables, srcs, ids, pos, n)
     if n == 0 or geom[0] == 0:
         return
     device = srcs[0].device
@@ -807,11 +862,24 @@ def launch_segment_sum(
         or tuple(out.shape) != (n, dim)
         or out.dtype != grad.dtype
         or not (grad.is_contiguous() and out.is_contiguous())
+        or out.device != grad.device
     ):
         raise ValueError(
             f"grad and out must be contiguous ({n}, dim) tensors of one dtype; got "
             f"{tuple(grad.shape)} {grad.dtype} and {tuple(out.shape)} {out.dtype}"
         )
+    for name, t in (("order", order), ("order_local", order_local)):
+        if (
+            t.dtype != torch.int64
+            or t.dim() != 1
+            or t.numel() != n
+            or not t.is_contiguous()
+            or t.device != grad.device
+        ):
+            raise ValueError(
+                f"{name} must be a contiguous 1-D int64 tensor of {n} entries on {grad.device}; "
+                f"got {tuple(t.shape)} {t.dtype} on {t.device}"
+            )
     if n == 0 or dim == 0:
         return
     device = grad.device
@@ -893,41 +961,67 @@ class FusedLauncher:
     """
 
     def __init__(self, tables: list[torch.Tensor]) -> None:
-        self.tables = list(tables)
-        self.geometry = group_geometry(self.tables)
+        # numbers only, no tensor: a closed table's memory is freed even while a cached
+        # launcher of it lives on (its users check that the tables are open before a launch)
+        self.geometry = group_geometry(tables)
         row_nbytes, pitch, segs = self.geometry
         self.device = tables[0].device
         self.index = (
             self.device.index if self.device.index is not None else torch.cuda.current_device()
         )
-        self.width = vector_width(row_nbytes, pitch, *(t.data_ptr() for t in self.tables))
-        self.vpr = row_nbytes // self.width
-        self.span = self.vpr * segs
-        self.head = [*_pointer_args(self.tables)]
-        self.tail = [tables[0].shape[0], self.vpr, pitch // self.width, segs]
-        self.grid_y = 1 if segs > 1 else len(self.tables)
+        self.n_tables = len(tables)
+        self.ptrs = [t.data_ptr() for t in tables]
+        self.num_rows = int(tables[0].shape[0])
+        self.width = vector_width(row_nbytes, pitch, *self.ptrs)
+        self.head = self.ptrs + [self.ptrs[0]] * (MAX_TABLES - self.n_tables)
+        self.grid_y = 1 if segs > 1 else self.n_tables
+        self.vpr, self.span, self.tail = self._shape(self.width)
         self._gather = _function(self.index, UNROLL, f"gl_gather_{self.width}")
         self._scatter = _function(self.index, SCATTER_UNROLL, f"gl_scatter_{self.width}")
 
-    def _aligned(self, bufs: list[torch.Tensor]) -> bool:
+    def _shape(self, w: int) -> tuple[int, int, list[int]]:
+        row_nbytes, pitch, segs = self.geometry
+        vpr = row_nbytes // w
+        return vpr, vpr * segs, [self.num_rows, vpr, pitch // w, segs]
+
+    def _width(self, ids: torch.Tensor, bufs: list[torch.Tensor]) -> int:
+        """The vector width of a launch with ``bufs`` (the launcher's own, unless a buffer's
+        alignment needs a narrower one), after checking ``ids`` and every buffer."""
+        if len(bufs) != self.n_tables:
+            raise ValueError(
+                f"this launch moves {self.n_tables} tables and takes one buffer each; got "
+                f"{len(bufs)}"
+            )
+        n = ids.numel()
+        if ids.dtype != torch.int64 or ids.device != self.device or not ids.is_contiguous():
+            raise ValueError(
+                f"a launch's ids must be contiguous int64 on {self.device}; got {ids.dtype} "
+                f"on {ids.device}"
+            )
         w = self.width
-        return all(b.data_ptr() % w == 0 and b.is_contiguous() for b in bufs)
+        for b in bufs:
+            _check_buffer(b, self.geometry[0], self.device, n)
+            if b.data_ptr() % w:
+                w = vector_width(self.geometry[0], self.geometry[1], *self.ptrs, b.data_ptr())
+        return w
 
     def gather(self, ids: torch.Tensor, outs: list[torch.Tensor], count: torch.Tensor) -> None:
         """As :func:`launch_gather` with ``count`` (contiguous int64 ``ids`` on the device)."""
         n = ids.numel()
         if n == 0 or self.geometry[0] == 0:
             return
-        if len(outs) != len(self.tables) or not self._aligned(outs):
-            launch_gather(self.tables, ids, outs, count=count)
-            return
+        w = self._width(ids, outs)
+        fn, span, tail = self._gather, self.span, self.tail
+        if w != self.width:  # a buffer aligned to less: the same launch, narrower vectors
+            fn = _function(self.index, UNROLL, f"gl_gather_{w}")
+            _, span, tail = self._shape(w)
         _launch(
-            self._gather,
-            (_grid(n * self.span, self.index), self.grid_y),
+            fn,
+            (_grid(n * span, self.index), self.grid_y),
             [
                 *self.head,
                 *_pointer_args(outs),
-                *self.tail,
+                *tail,
                 ids.data_ptr(),
                 0,
                 n,
@@ -942,16 +1036,18 @@ class FusedLauncher:
         n = ids.numel()
         if n == 0 or self.geometry[0] == 0:
             return
-        if len(rows) != len(self.tables) or not self._aligned(rows):
-            launch_scatter(self.tables, ids, rows, None, SCATTER_ALL, count=count)
-            return
+        w = self._width(ids, rows)
+        fn, span, tail = self._scatter, self.span, self.tail
+        if w != self.width:
+            fn = _function(self.index, SCATTER_UNROLL, f"gl_scatter_{w}")
+            _, span, tail = self._shape(w)
         _launch(
-            self._scatter,
-            (_grid(n * self.span, self.index, SCATTER_UNROLL), self.grid_y),
+            fn,
+            (_grid(n * span, self.index, SCATTER_UNROLL), self.grid_y),
             [
                 *self.head,
                 *_pointer_args(rows),
-                *self.tail,
+                *tail,
                 ids.data_ptr(),
                 0,
                 SCATTER_ALL,
