@@ -412,7 +412,7 @@ def test_convert_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert not (tmp_path / "b.zarr").exists()
     args = parser.parse_args([str(src), str(src)])
     assert conv.run(args) == 1
-    assert "same path" in capsys.readouterr().err
+    assert "same file" in capsys.readouterr().err
 
 
 # ---- properties -------------------------------------------------------------------------------------------------------------

@@ -1114,15 +1114,17 @@ def test_convert_onto_its_source_is_refused(
     before = _snap(src)
     monkeypatch.chdir(tmp_path)
     for dst in (str(src), "s.npy", "./s.npy", str(tmp_path / "x" / ".." / "s.npy")):
-        with pytest.raises(gl.GadgetValueError, match="same path"):
+        with pytest.raises(gl.GadgetValueError, match="same file"):
             gl_convert.convert(src, dst, progress=False)
     assert cli_main(["convert", "s.npy", str(src)]) == 1
     assert _snap(src) == before
-    # through a symbolic link the same file is rewritten with the same rows
+    # through a symbolic link it is the same file too: refused (session 15: an HDF5 or zarr
+    # source holding other arrays lost them when one was "converted" onto itself)
     (tmp_path / "l.npy").symlink_to(src)
-    gl_convert.convert(src, tmp_path / "l.npy", progress=False)
+    with pytest.raises(gl.GadgetValueError, match="same file"):
+        gl_convert.convert(src, tmp_path / "l.npy", progress=False)
     assert (tmp_path / "l.npy").is_symlink()
-    np.testing.assert_array_equal(np.load(src), a)
+    assert _snap(src) == before
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -180,8 +180,11 @@ def test_cli_bench_train_small_run_has_the_five_methods(tmp_path):
     assert data["config"]["negatives"] == 5
     assert all(data["verified"].values()) and data["verified"]
     assert methods["switchers"]["bytes_per_step"] == methods["dropin"]["bytes_per_step"]
-    assert methods["speedtorch"]["bytes_per_step"] > methods["dropin"]["bytes_per_step"]
     assert methods["resident"]["bytes_per_step"] == 0
+    if data["device"] == "cpu":  # nothing crosses PCIe without CUDA (session 15)
+        assert all(m["bytes_per_step"] == 0 for m in methods.values())
+    else:
+        assert methods["speedtorch"]["bytes_per_step"] > methods["dropin"]["bytes_per_step"]
 
 
 def test_cli_bench_pipeline_small_run_checks_every_method(tmp_path):

@@ -1350,8 +1350,34 @@ def test_bench_seed_reports_checked_methods_with_consistent_ratios(tmp_path):
 def test_bench_train_counts_the_speedtorch_protocol_bytes(tmp_path):
     """PERF.md: the SpeedTorch protocol moves every id position's row and Adam's two state
     rows both ways (4096 pairs + 5 negatives, 128-wide: 88.1 MB); merged switchers move
-    each distinct row once."""
+    each distinct row once. (Counted by the methods themselves: a run without CUDA reports
+    no PCIe bytes, since nothing crosses PCIe there -- session 15.)"""
+    import argparse
+
+    from gadgetloader.bench import _train
+
     rows, dim, batch, neg = 3000, 16, 64, 2
+    p = argparse.ArgumentParser()
+    _train.add_arguments(p)
+    args = p.parse_args(
+        [*("--rows", str(rows), "--dim", str(dim), "--batch", str(batch), "--negatives", str(neg))]
+    )
+    args.placement = "cpu"
+    cpu = torch.device("cpu")
+    b = _train._batches(args, cpu, 1)[0]
+    row = dim * 4
+    per_dir = batch * (2 + neg) * row * 3
+    st = _train._BUILDERS["speedtorch"](args, cpu)
+    try:
+        assert st.bytes_per_step(b, row) == (per_dir, per_dir)
+    finally:
+        st.close()
+    sw_m = _train._BUILDERS["switchers"](args, cpu)
+    try:
+        sw, back = sw_m.bytes_per_step(b, row)
+    finally:
+        sw_m.close()
+    assert sw == back and sw % (row * 3) == 0 and 0 < sw < per_dir
     data, _ = _cli(
         tmp_path,
         "train",
@@ -1359,12 +1385,4 @@ def test_bench_train_counts_the_speedtorch_protocol_bytes(tmp_path):
         *("--negatives", str(neg), "--steps", "2", "--warmup", "1", "--repeats", "1"),
         *("--methods", "speedtorch,switchers"),
     )
-    m = data["methods"]
-    row = dim * 4
-    per_dir = batch * (2 + neg) * row * 3
-    assert m["speedtorch"]["h2d_bytes_per_step"] == per_dir
-    assert m["speedtorch"]["bytes_per_step"] == 2 * per_dir
-    sw = m["switchers"]["h2d_bytes_per_step"]
-    assert sw % (row * 3) == 0 and 0 < sw < per_dir
-    assert m["switchers"]["bytes_per_step"] == 2 * sw
     assert data["verified"]["switchers"] is True
