@@ -173,7 +173,13 @@ def _main(argv: Sequence[str] | None) -> int:
             )
             return 1
         except RuntimeError as exc:
-            if "memory" not in str(exc).lower() and "alloc" not in str(exc).lower():
+            text = str(exc).lower()
+            import torch
+
+            oom = isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())) or (
+                "out of memory" in text or "can't allocate memory" in text
+            )
+            if not oom:  # a crash (an illegal address, an assert) keeps its traceback
                 raise
             print(
                 f"gadgetloader bench: error: not enough memory for the sizes asked "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -86,7 +87,17 @@ def _rows_of(sl: slice, n: int) -> range:
 
 
 def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+    """An integer index: an int, a NumPy integer, or anything with ``__index__`` (a 0-d
+    integer tensor), but no bool."""
+    if isinstance(x, (bool, np.bool_)) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+        return False
+    if isinstance(x, (int, np.integer)):
+        return True
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
 
 
 def _check_row_slice(sl: slice) -> None:
@@ -98,7 +109,7 @@ def _check_row_slice(sl: slice) -> None:
             raise GadgetTypeError(
                 f"a slice into the rows takes int bounds and step; got {name}={v!r} in {sl!r}"
             )
-    if sl.step is not None and sl.step <= 0:
+    if sl.step is not None and operator.index(sl.step) <= 0:
         raise GadgetValueError(
             f"a slice into the rows takes a positive step (a zero step selects nothing, and "
             f"a view of the rows cannot run backwards); got {sl!r}"
@@ -734,6 +745,17 @@ class DataGadget:
         (a tuple of ints is a list of ids)."""
         if isinstance(indexes, slice):
             return _rows_of(indexes, len(self)), ()
+        if (
+            isinstance(indexes, tuple)
+            and len(indexes) > 1
+            and isinstance(indexes[0], (list, range))
+            and any(isinstance(x, (list, range)) for x in indexes[1:])
+        ):
+            raise GadgetTypeError(
+                "a tuple of id lists is ambiguous: NumPy reads g[[1, 2], [0, 1]] as the elements "
+                "(1, 0) and (2, 1), which is not supported here; pass a 2-D array or tensor of "
+                "ids for a 2-D batch of rows, or gather the rows and index the result"
+            )
         if isinstance(indexes, tuple) and (
             any(
                 isinstance(x, (slice, np.ndarray, torch.Tensor))

@@ -270,6 +270,7 @@ class GadgetLoader:
             epoch, start, handed = prev[:3]
             self._sampler._restart(epoch if start + handed < len(self._sampler) else epoch + 1)
         epoch, start = self._sampler._next_start()
+        self._sampler._check_next(epoch)  # (refused before the loader records a pass)
         active = [epoch, start, 0, changes]
         self._active = active
         if self._direct or self._coalesce > 1:  # the sampler directly (see __init__)

@@ -580,15 +580,18 @@ class GadgetSampler(Sampler[Any]):
         ``set_epoch`` / ``load_state_dict`` (or a restart) takes it back."""
         return getattr(self, "_changes", 0), getattr(self, "_passes", 0)
 
+    def _check_next(self, epoch: int) -> None:
+        """Refuse the pass after epoch 2**64 - 1: its order would repeat epoch 0's."""
+        if epoch >= _EPOCH_END:
+            raise GadgetValueError(
+                f"the sampler has finished epoch 2**64 - 1 ({_EPOCH_END - 1}), the last one it "
+                "can order (epochs are mixed as 64 bits, so the next would repeat epoch 0's "
+                "order); call set_epoch() with a smaller epoch to go on"
+            )
+
     def _batches(self) -> Iterator[torch.Tensor]:
         epoch, start = self._next_start()
-        if epoch >= _EPOCH_END:
-            # the pass after epoch 2**64 - 1: its order would repeat epoch 0's
-            raise GadgetValueError(
-                f"the sampler has finished epoch 2**64 - 1 ({_EPOCH_END - 1}), the last one it can order "
-                "(epochs are mixed as 64 bits, so the next would repeat epoch 0's order); "
-                "call set_epoch() with a smaller epoch to go on"
-            )
+        self._check_next(epoch)
         self._resume = None
         self._epoch, self._position = epoch, start
         self._passes = getattr(self, "_passes", 0) + 1

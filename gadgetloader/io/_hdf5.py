@@ -1088,11 +1088,18 @@ class Hdf5Source(ArraySource):
                     np.ascontiguousarray(rows), np.s_[0 : stop - start], np.s_[start:stop]
                 )
             except (OSError, RuntimeError) as exc:  # a damaged chunk, a full disk
+                # push what was written so far: while the handle holds unflushed writes the
+                # truncation check stands aside, and no later flush may come on this path
+                self._unflushed = True  # (rows may have been written before the error)
+                with contextlib.suppress(Exception):
+                    ds.file.flush()
+                    self._unflushed = False
                 raise GadgetFileError(
                     f"{self.path}[{self.dataset!r}]: cannot write rows {start}:{stop} ({exc})"
                 ) from exc
-            finally:  # rows may have been written before an error, too
+            else:
                 self._unflushed = True  # the file may end before HDF5's allocation until flushed
+            finally:  # rows may have been written before an error, too
                 real = self._realpath()
                 _WRITES[real] = _WRITES.get(real, 0) + 1
             # (the file table flushes HDF5's caches once per write call: other tables of

@@ -586,6 +586,11 @@ def _check_group(
                 f"a launch's {name} must be contiguous int64 on {device}; got "
                 f"{'' if t.is_contiguous() else 'non-contiguous '}{t.dtype} on {t.device}"
             )
+    if pos is not None and ids is not None and pos.numel() < ids.numel():
+        # (pos is a permutation of the ids' positions: its values are the caller's promise)
+        raise ValueError(
+            f"a launch's pos must have an entry per id; got {pos.numel()} for {ids.numel()} ids"
+        )
     return geom
 
 
@@ -685,7 +690,7 @@ def launch_gather(
     tables = table if isinstance(table, list) else [table]
     outs = out if isinstance(out, list) else [out]
     n = ids.numel()
-    geom = _check_group(tables, outs, ids, pos, n if pos is None else None)
+    geom = _check_group(tables, outs, ids, pos, n)
     if n == 0 or geom[0] == 0:
         return
     device = outs[0].device
