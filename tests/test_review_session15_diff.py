@@ -410,7 +410,9 @@ def test_batch_to_devices_and_gadget_duck_typing_keep_working() -> None:
     with pytest.raises(gl.GadgetTypeError):
         b.to(torch.float16)
     src = np.arange(12.0, dtype=np.float32).reshape(4, 3)
-    g = gl.DataGadget(torch.from_numpy(src.copy()), placement="cpu")
+    # (rows delivered on the CPU: on a GPU machine getData defaults to CUDA, which NumPy
+    # cannot read through the sequence protocol)
+    g = gl.DataGadget(torch.from_numpy(src.copy()), placement="cpu", device="cpu")
     np.testing.assert_array_equal(np.asarray(g), src)  # sequence protocol still works
     assert len(g) == 4 and len(list(iter(g))) == 4
     assert (g.dim(), g.ndim, g.numel(), tuple(g.size()), g.size(-1)) == (2, 2, 12, (4, 3), 3)
