@@ -19,28 +19,18 @@ import torch
 from torch.utils.data import DataLoader
 
 from .._errors import GadgetTypeError, GadgetValueError
-from ._dataset import GadgetBatch, GadgetDataset, _stream_id
+from ._dataset import (  # noqa: F401 - the coalesce defaults, re-exported
+    COALESCE_BYTES,
+    COALESCE_MAX,
+    COALESCE_MAX_OTHER,
+    GadgetBatch,
+    GadgetDataset,
+    _stream_id,
+    default_coalesce,
+)
 from ._sampler import GadgetSampler, _check_int
 
 __all__ = ["GadgetLoader"]
-
-
-#: the default ``coalesce`` on CUDA gathers up to this many bytes of batches at once ...
-COALESCE_BYTES = 64 << 20
-#: ... and at most this many batches where the row kernel gathers every column in place
-#: (H200, 4096 x 512 B batches from a pinned table: 83% of the link with 8 batches per
-#: gather, 88% with 32, in one machine session) ...
-COALESCE_MAX = 32
-#: ... or this many for other columns (a file-backed .npy column took 1.0-1.1 ms a batch
-#: with 8, 1.6 ms with 32)
-COALESCE_MAX_OTHER = 8
-
-
-def default_coalesce(batch_nbytes: int, in_place: bool = True) -> int:
-    """Batches per gather that :class:`GadgetLoader` uses on CUDA by default; ``in_place``:
-    every column is gathered by the row kernel (``cuda`` / ``pinned`` tables)."""
-    most = COALESCE_MAX if in_place else COALESCE_MAX_OTHER
-    return max(1, min(most, COALESCE_BYTES // max(1, int(batch_nbytes))))
 
 
 class GadgetLoader:
@@ -52,7 +42,9 @@ class GadgetLoader:
         What to load (anything but a GadgetDataset becomes a one-column dataset).
     sampler : GadgetSampler, optional
         The batch order. If omitted one is built from ``batch_size`` and the
-        sampler options below.
+        sampler options below (with ``coalesce=1``: the loader's own ``coalesce``
+        groups batches; a given sampler's ``coalesce`` applies only where batches
+        come through the DataLoader, i.e. with ``pin_memory=True``).
     batch_size : int, optional
         Rows per batch (required without ``sampler``).
     prefetch : int, default 2
@@ -139,6 +131,7 @@ class GadgetLoader:
                 chunk_rows=chunk_rows,
                 num_replicas=num_replicas,
                 rank=rank,
+                coalesce=1,  # the loader groups batches itself (its own `coalesce`)
             )
         elif batch_size is not None:
             raise GadgetValueError(
