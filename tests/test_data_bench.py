@@ -37,7 +37,8 @@ def test_pipeline_bench_tiny(capsys: pytest.CaptureFixture[str]) -> None:
     methods = {(r["source"], r["method"]) for r in report["results"]}
     assert ("npy mmap", "(a) torch per-sample DataLoader") in methods
     memory = [r for r in report["results"] if r["source"].startswith("memory")]
-    assert {m["method"][:3] for m in memory} == {"(b)", "(c)", "(d)", "(e)"}
+    assert {m["method"][:3] for m in memory} == {"(b)", "(c)", "(c1", "(d)", "(e)"}
+    assert any("coalesce=1" in m["method"] for m in memory)
     routes = report["routes"]
     memory_label = next(k for k in routes if k.startswith("memory"))
     assert routes[memory_label] == (["kernel"] if "pinned" in memory_label else ["host"])

@@ -4,7 +4,8 @@
 ``np.load(mmap_mode='r')``, ``DataLoader(batch_size=B, shuffle=True,
 pin_memory=True)`` with 0 workers and the best of a few worker counts, then
 ``.cuda()``; (b) ``DataLoader(GadgetDataset)``, the default form; (c) the fast form
-with a :class:`~gadgetloader.GadgetSampler` as batch sampler; (d)
+with a :class:`~gadgetloader.GadgetSampler` as batch sampler (its default read-ahead;
+(c1) the same with ``coalesce=1``, every batch gathered when asked for); (d)
 :class:`~gadgetloader.GadgetLoader` with GPU prefetch; (e) the dataset's own share of
 (c): ``__getitems__`` on each sampler batch, without DataLoader. (b)-(e) run over the
 table in RAM (``pinned``; ``cpu`` without CUDA) and file-backed (``placement='file'``,
@@ -351,6 +352,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         label,
                         f"(c) DataLoader + GadgetSampler ({order})",
                         functools.partial(DataLoader, ds, batch_sampler=sampler),
+                        first_col,
+                    )
+                    one = GadgetSampler(ds, batch_size=B, order=order, seed=args.seed, coalesce=1)
+                    record(
+                        label,
+                        f"(c1) DataLoader + GadgetSampler coalesce=1, no read-ahead ({order})",
+                        functools.partial(DataLoader, ds, batch_sampler=one),
                         first_col,
                     )
                     gl = GadgetLoader(
