@@ -260,3 +260,16 @@ def test_gpu_group_used_on_another_stream() -> None:
                 got.append(next(it)[0].clone())  # read on the side stream at once
         torch.cuda.synchronize()
         assert all(torch.equal(g.cpu(), x[o]) for g, o in zip(got, order, strict=True))
+
+
+def test_other_views_of_a_grouped_batch_are_gathered_as_given() -> None:
+    x = torch.arange(80.0) * 10
+    ds = gl.GadgetDataset(x, placement="cpu", device="cpu")
+    sampler = gl.GadgetSampler(ds, batch_size=8, seed=6, coalesce=8)
+    for i, ids in enumerate(sampler):
+        assert torch.equal(ds[ids][0], x[ids])
+        if i >= 2:  # inside a group: its views must not answer for other shapes or strides
+            assert torch.equal(ds[ids[::2]][0], x[ids[::2]])
+            assert torch.equal(ds[ids[1:]][0], x[ids[1:]])
+            assert ds[ids.view(-1, 1)][0].shape == (8, 1)
+            assert torch.equal(ds.__getitems__(ids[:4])[0][0], x[ids[:4]])

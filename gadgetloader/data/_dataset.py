@@ -429,6 +429,11 @@ class GadgetDataset(Dataset[Any]):
         bools included, takes the general path, which refuses bools) and range-checked
         once, skipping the general id conversion.
         """
+        g = self._group
+        if g is not None and type(indices) is SamplerIds:
+            got = self._take(g, indices)
+            if got is not None:
+                return [got]
         if (
             type(indices) is list
             and indices
@@ -484,15 +489,13 @@ class GadgetDataset(Dataset[Any]):
         bound = sampler_ids_bound(ids)
         if bound is None or bound > self._num_rows:
             return None  # changed in place, or another table's ids: checked as any ids
+        g = self._group
+        if g is not None:
+            got = self._take(g, ids)
+            if got is not None:
+                return got
         off = int(ids.storage_offset() - base.storage_offset())
         expect, self._expect = self._expect, (base, off + n)
-        g = self._group
-        if g is not None and g.base is base and g.lo <= off and off + n <= g.hi:
-            plan = self._plan
-            if plan is not None and plan[0] is g.target and _plan_valid(plan[1]):
-                if off + n >= g.hi:
-                    self._group = None  # its last batch: the memory goes with the views
-                return g.batch(off - g.lo, n)
         self._group = None
         if expect is None or expect[0] is not base or expect[1] != off:
             return None  # not a loop over this order (yet): nothing read ahead
@@ -502,10 +505,37 @@ class GadgetDataset(Dataset[Any]):
         if hi - off <= n:
             return None
         whole = self._gather(base[off:hi], own=True)
-        g = _Group(base, off, hi, whole, target)
+        g = _Group(base, off, hi, n, whole, target)
         if off + n < hi:
             self._group = g
-        return g.batch(0, n)
+        return g.views[0]
+
+    def _take(self, g: _Group, ids: torch.Tensor) -> GadgetBatch | None:
+        """Batch ``ids`` from the read-ahead group ``g`` if it holds exactly those rows (a
+        view of the same order, unchanged since the group was read, at a batch boundary of
+        the group, with the group's columns still those of the dataset), else None. This
+        is the per-batch path of a read-ahead: a few attribute reads, no torch operation."""
+        base = g.base
+        if ids._base is not base or base._version != g.version or ids.dim() != 1:
+            return None
+        n = ids.numel()
+        off = int(ids.storage_offset()) - g.origin
+        j, r = divmod(off - g.lo, g.n)
+        views = g.views
+        if r or not 0 <= j < len(views) or (n > 1 and ids.stride(0) != 1):
+            return None
+        view = views[j]
+        if view[0].shape[0] != n:
+            return None
+        plan = self._plan
+        if plan is None or plan[0] is not g.target or not _plan_valid(plan[1]):
+            return None
+        if g.index is not None:
+            g.on_current_stream()
+        self._expect = (base, off + n)
+        if j == len(views) - 1:
+            self._group = None  # its last batch: the memory goes with the views
+        return view
 
     def _ahead_batches(self, coalesce: int, n: int, target: torch.device) -> int:
         """Batches of ``n`` rows a read-ahead group may hold (1: none) for a sampler's
@@ -737,17 +767,39 @@ class _OrderWindow:
 
 
 class _Group:
-    """Rows of consecutive sampler batches gathered at once: positions ``[lo, hi)`` of the
-    order ``base``, one tensor per column in ``whole``. On CUDA, the stream that gathered
-    them and an event after the gather: another stream that takes a batch first waits for
-    the event and is recorded on the group's memory (as for :class:`_OrderWindow`)."""
+    """Rows of consecutive sampler batches of ``n`` rows gathered at once: positions
+    ``[lo, hi)`` of the order ``base`` (its version then: ``version``), one tensor per
+    column in ``whole``, cut into the batches' views up front (``views``; the last may be
+    shorter). On CUDA, the stream that gathered them and an event after the gather:
+    another stream that takes a batch first waits for the event and is recorded on the
+    group's memory (as for :class:`_OrderWindow`)."""
 
-    __slots__ = ("base", "lo", "hi", "whole", "target", "index", "stream", "ready", "others")
+    __slots__ = (
+        "base", "origin", "version", "lo", "hi", "n", "views", "target",
+        "whole", "index", "stream", "ready", "others",
+    )  # fmt: skip
 
     def __init__(
-        self, base: torch.Tensor, lo: int, hi: int, whole: GadgetBatch, target: torch.device
+        self,
+        base: torch.Tensor,
+        lo: int,
+        hi: int,
+        n: int,
+        whole: GadgetBatch,
+        target: torch.device,
     ) -> None:
-        self.base, self.lo, self.hi, self.whole, self.target = base, lo, hi, whole, target
+        self.base, self.lo, self.hi, self.n, self.target = base, lo, hi, n, target
+        self.origin = int(base.storage_offset())
+        self.version = base._version
+        self.whole = whole
+        full = (hi - lo) // n
+        cols = []
+        for t in whole:  # one unbind per column: cheaper than a slice per batch
+            parts = list(t[: full * n].reshape(full, n, *t.shape[1:]).unbind(0))
+            if full * n < hi - lo:
+                parts.append(t[full * n :])
+            cols.append(parts)
+        self.views = [GadgetBatch(parts) for parts in zip(*cols, strict=True)]
         self.index: int | None = None
         self.stream = 0
         self.ready: Any = None
@@ -758,17 +810,16 @@ class _Group:
             self.ready = torch.cuda.Event()
             self.ready.record(torch.cuda.current_stream(self.index))
 
-    def batch(self, start: int, n: int) -> GadgetBatch:
-        """Rows ``[start, start + n)`` of the group (views), usable on the current stream."""
-        if self.index is not None:
-            current = _stream_id(self.index)
-            if current != self.stream and current not in self.others:
-                stream = torch.cuda.current_stream(self.index)
-                stream.wait_event(self.ready)
-                for t in self.whole:
-                    t.record_stream(stream)
-                self.others.append(current)
-        return GadgetBatch([t[start : start + n] for t in self.whole])
+    def on_current_stream(self) -> None:
+        """Make the group's rows safe to use on the current stream (CUDA only)."""
+        assert self.index is not None
+        current = _stream_id(self.index)
+        if current != self.stream and current not in self.others:
+            stream = torch.cuda.current_stream(self.index)
+            stream.wait_event(self.ready)
+            for t in self.whole:
+                t.record_stream(stream)
+            self.others.append(current)
 
 
 class _Upload(NamedTuple):
