@@ -489,12 +489,17 @@ class GadgetDataset(Dataset[Any]):
         bound = sampler_ids_bound(ids)
         if bound is None or bound > self._num_rows:
             return None  # changed in place, or another table's ids: checked as any ids
+        off = int(ids.storage_offset() - base.storage_offset())
         g = self._group
         if g is not None:
             got = self._take(g, ids)
             if got is not None:
                 return got
-        off = int(ids.storage_offset() - base.storage_offset())
+            g = self._group  # (dropped if its columns changed)
+            if g is not None and g.base is base and g.lo <= off < g.hi:
+                # a batch of the group asked for again (another loop over the same
+                # sampler) or in another shape: gathered alone, the group goes on
+                return None
         expect, self._expect = self._expect, (base, off + n)
         self._group = None
         if expect is None or expect[0] is not base or expect[1] != off:
@@ -504,11 +509,20 @@ class GadgetDataset(Dataset[Any]):
         hi = min(off + k * n, ahead[1], base.numel())
         if hi - off <= n:
             return None
-        whole = self._gather(base[off:hi], own=True)
+        try:
+            whole = self._gather(base[off:hi], own=True)
+        except GadgetIndexError:
+            # a later batch's ids were changed behind torch's back (through NumPy) to an
+            # id out of range: each batch is gathered alone, so the error is its own
+            self._expect = None
+            return None
         g = _Group(base, off, hi, n, whole, target)
+        g.steps = self._plan[1] if self._plan is not None else None
+        first = g.views[0]
+        g.views[0] = None  # each view is handed out once
         if off + n < hi:
             self._group = g
-        return g.views[0]
+        return first
 
     def _take(self, g: _Group, ids: torch.Tensor) -> GadgetBatch | None:
         """Batch ``ids`` from the read-ahead group ``g`` if it holds exactly those rows (a
@@ -525,13 +539,15 @@ class GadgetDataset(Dataset[Any]):
         if r or not 0 <= j < len(views) or (n > 1 and ids.stride(0) != 1):
             return None
         view = views[j]
-        if view[0].shape[0] != n:
-            return None
+        if view is None or view[0].shape[0] != n:
+            return None  # handed out already (a second loop over the sampler), or not it
         plan = self._plan
-        if plan is None or plan[0] is not g.target or not _plan_valid(plan[1]):
+        if plan is None or plan[1] is not g.steps or not _plan_valid(plan[1]):
+            self._group = None  # a column closed, reloaded or re-planned: rows are stale
             return None
         if g.index is not None:
             g.on_current_stream()
+        views[j] = None  # once: a caller may change its batch in place
         self._expect = (base, off + n)
         if j == len(views) - 1:
             self._group = None  # its last batch: the memory goes with the views
@@ -776,7 +792,7 @@ class _Group:
 
     __slots__ = (
         "base", "origin", "version", "lo", "hi", "n", "views", "target",
-        "whole", "index", "stream", "ready", "others",
+        "whole", "index", "stream", "ready", "others", "steps",
     )  # fmt: skip
 
     def __init__(
@@ -792,6 +808,8 @@ class _Group:
         self.origin = int(base.storage_offset())
         self.version = base._version
         self.whole = whole
+        #: the dataset's column plan the rows were read with (see GadgetDataset._take)
+        self.steps: list[_Step] | None = None
         full = (hi - lo) // n
         cols = []
         for t in whole:  # one unbind per column: cheaper than a slice per batch
@@ -799,7 +817,10 @@ class _Group:
             if full * n < hi - lo:
                 parts.append(t[full * n :])
             cols.append(parts)
-        self.views = [GadgetBatch(parts) for parts in zip(*cols, strict=True)]
+        #: the batches' views, each set to None once handed out
+        self.views: list[GadgetBatch | None] = [
+            GadgetBatch(parts) for parts in zip(*cols, strict=True)
+        ]
         self.index: int | None = None
         self.stream = 0
         self.ready: Any = None

@@ -328,7 +328,9 @@ class GadgetSampler(Sampler[Any]):
     ``GadgetLoader`` reads the sampler itself and coalesces by its own
     ``coalesce``. The sequential order has no order tensor; its ids are made in
     segments of :data:`SEQUENTIAL_SEGMENT` batches (``2 * coalesce`` if more) and
-    a group stays within one.
+    a group stays within one. A batch of a group is a view of the group's memory
+    (``clone()`` one you keep); each is handed out once; ids changed through NumPy
+    after the group was read are not seen (torch cannot see such a change).
 
     **Cost.** The order of epoch ``e + 1`` is computed by a background thread
     while epoch ``e`` runs (``torch.randperm`` releases the GIL), so no batch
