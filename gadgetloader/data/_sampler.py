@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import Sampler, get_worker_info
 
 from .._errors import GadgetKeyError, GadgetTypeError, GadgetValueError
 
@@ -43,6 +43,12 @@ WIDE_ORDER_ROWS = 1 << 27
 #: ahead left the next epoch's first batch waiting for its order (measured: 10-37 us a
 #: batch on average, in stalls of up to 15 ms)
 AHEAD_TWO_ROWS = 1 << 24
+
+#: a sampler built on a dataset that reads on a CUDA device keeps orders (and sequential
+#: segments) of up to this many rows in page-locked memory (128 MiB a 2**24-row order,
+#: at most three alive), so that a dataset uploads a window of the order with one
+#: asynchronous copy instead of first copying it into a staging buffer on the host
+PIN_ORDER_ROWS = 1 << 24
 
 #: attribute on an id tensor a sampler made (or on the order its batches are views of):
 #: ``(bound, version)`` -- every id is in ``[0, bound)`` as long as the tensor's version
@@ -183,20 +189,54 @@ def _index_dtype(num_rows: int) -> torch.dtype:
     return torch.int32 if WIDE_ORDER_ROWS < num_rows < 2**31 else torch.int64
 
 
+def _can_pin() -> bool:
+    """Page-locked memory may be taken here: CUDA is present, and this is neither a
+    process forked after CUDA started nor a DataLoader worker (which never touch CUDA)."""
+    if not torch.cuda.is_available() or get_worker_info() is not None:
+        return False
+    bad_fork = getattr(torch.cuda, "_is_in_bad_fork", None)
+    return not (bad_fork is not None and bad_fork())
+
+
+def _id_buffer(num: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialised 1-D id tensor; page-locked where ``pin`` asks for it, the order is
+    small enough (:data:`PIN_ORDER_ROWS`) and pinning is possible (else pageable)."""
+    if pin and num <= PIN_ORDER_ROWS and _can_pin():
+        try:
+            return torch.empty(num, dtype=dtype, pin_memory=True)
+        except RuntimeError:  # no page-locked memory to be had (a memlock limit): pageable
+            pass
+    return torch.empty(num, dtype=dtype)
+
+
 def _epoch_order(
-    num_rows: int, order: str, seed: int, epoch: int, chunk_rows: int, window_chunks: int
+    num_rows: int,
+    order: str,
+    seed: int,
+    epoch: int,
+    chunk_rows: int,
+    window_chunks: int,
+    pin: bool = False,
 ) -> torch.Tensor:
     """The epoch's permutation of ``range(num_rows)``: int64, or int32 between
-    :data:`WIDE_ORDER_ROWS` and 2**31 rows; tagged (see :func:`sampler_ids_bound`)."""
+    :data:`WIDE_ORDER_ROWS` and 2**31 rows; tagged (see :func:`sampler_ids_bound`);
+    page-locked if ``pin`` (see :func:`_id_buffer`)."""
     with torch.inference_mode(False):  # a normal tensor (with a version counter) even when
         # the first epoch's order is computed inside the caller's inference mode
         return _mark(
-            _epoch_order_of(num_rows, order, seed, epoch, chunk_rows, window_chunks), num_rows
+            _epoch_order_of(num_rows, order, seed, epoch, chunk_rows, window_chunks, pin),
+            num_rows,
         )
 
 
 def _epoch_order_of(
-    num_rows: int, order: str, seed: int, epoch: int, chunk_rows: int, window_chunks: int
+    num_rows: int,
+    order: str,
+    seed: int,
+    epoch: int,
+    chunk_rows: int,
+    window_chunks: int,
+    pin: bool = False,
 ) -> torch.Tensor:
     gen = torch.Generator()
     gen.manual_seed(_mix_seed(seed, epoch))
@@ -204,11 +244,14 @@ def _epoch_order_of(
     if order == "random":
         # int32 shuffles faster (half the memory traffic) and gives the same permutation
         narrow = torch.int32 if num_rows < 2**31 else torch.int64
-        return torch.randperm(num_rows, generator=gen, dtype=narrow).to(dtype)
+        perm = torch.randperm(num_rows, generator=gen, dtype=narrow)
+        if not pin:
+            return perm.to(dtype)
+        return _id_buffer(num_rows, dtype, pin).copy_(perm)
     # chunk-aware: shuffle the chunks, then rows inside windows of `window_chunks` chunks
     num_chunks = -(-num_rows // chunk_rows)
     chunk_order = torch.randperm(num_chunks, generator=gen)
-    out = torch.empty(num_rows, dtype=dtype)
+    out = _id_buffer(num_rows, dtype, pin)
     pos = 0
     for w in range(0, num_chunks, window_chunks):
         chunks = chunk_order[w : w + window_chunks]
@@ -421,6 +464,9 @@ class GadgetSampler(Sampler[Any]):
         self._num_replicas, self._rank = self._resolve_ranks(num_replicas, rank)
         #: batches a dataset may gather at once (0: its default; see the class notes)
         self._coalesce = 0 if coalesce is None else _check_int(coalesce, "coalesce", minimum=1)
+        #: keep orders page-locked (see PIN_ORDER_ROWS): the data source asks for it
+        hook = getattr(data_source, "_pin_sampler_ids", None)
+        self._pin = bool(hook()) if callable(hook) else False
         self._layout()
         self._epoch = 0
         self._position = 0
@@ -566,6 +612,7 @@ class GadgetSampler(Sampler[Any]):
                     epoch,
                     self._chunk_rows or 1,
                     self._window_chunks,
+                    getattr(self, "_pin", False),
                 )
                 if background:
                     # not a daemon: interpreter exit waits for it instead of killing it
@@ -656,6 +703,7 @@ class GadgetSampler(Sampler[Any]):
         last_end = s0 + self._share_len
         fast = order is not None and order.dtype == torch.int64 and last_end <= n
         coalesce = getattr(self, "_coalesce", 0)
+        pin = getattr(self, "_pin", False)
         if fast:
             # a plain attribute (not a tensor write): the order's version and tag stand
             setattr(order, _AHEAD, (coalesce, last_end))
@@ -673,7 +721,8 @@ class GadgetSampler(Sampler[Any]):
                 if segment is None or p1 > seg_hi:
                     seg_lo = p0
                     seg_hi = min(last_end, p0 + B * max(SEQUENTIAL_SEGMENT, 2 * coalesce))
-                    segment = _mark(torch.arange(seg_lo, seg_hi, dtype=torch.int64), n)
+                    buf = _id_buffer(seg_hi - seg_lo, torch.int64, pin)
+                    segment = _mark(torch.arange(seg_lo, seg_hi, out=buf), n)
                     setattr(segment, _AHEAD, (coalesce, seg_hi - seg_lo))
                 ids = segment[p0 - seg_lo : p1 - seg_lo]
             else:
