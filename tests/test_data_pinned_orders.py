@@ -169,3 +169,54 @@ def test_gadget_loader_sampler_pins_and_resumes(device: torch.device) -> None:
     whole = torch.cat(head + rest)
     assert sorted(whole[:, 0].div(4).long().tolist()) == list(range(3000))
     ds.close()
+
+
+# ---- the default form's lists: one struct pass, strict about what is not an id ------------
+def test_default_form_lists_strict() -> None:
+    from enum import IntEnum
+
+    from gadgetloader import GadgetIndexError, GadgetTypeError
+
+    class Color(IntEnum):
+        RED = 4
+
+    x = np.arange(40 * 2, dtype=np.float32).reshape(40, 2)
+    ds = gl.GadgetDataset(x, placement="cpu", device="cpu")
+    for ids in ([3, 1, 3], [np.int64(7), 3], [Color.RED, 0], [39], [0, 1, 2]):
+        (batch,) = ds.__getitems__(list(ids))
+        np.testing.assert_array_equal(batch[0].numpy(), x[[int(i) for i in ids]])
+    for bad in ([2, True], [True, 30], [False], [5, 1.0], [5, "6"], [5, None]):
+        with pytest.raises(GadgetTypeError, match="integers"):
+            ds.__getitems__(list(bad))
+    with pytest.raises(GadgetIndexError, match="out of range"):
+        ds.__getitems__([0, 40])
+    with pytest.raises(GadgetIndexError, match="negative"):
+        ds.__getitems__([3, -2])
+    with pytest.raises((GadgetIndexError, GadgetTypeError)):
+        ds.__getitems__([3, 2**63])
+    # a list of 1-element tensors after an int is still read as ids, value by value
+    (batch,) = ds.__getitems__([3, torch.tensor(5)])
+    np.testing.assert_array_equal(batch[0].numpy(), x[[3, 5]])
+
+
+@pytest.mark.gpu
+def test_default_form_ids_are_page_locked(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = np.random.default_rng(1).standard_normal((300, 4)).astype(np.float32)
+    ds = gl.GadgetDataset(x, np.arange(300), placement="cuda", device=device)
+    seen: list[torch.Tensor] = []
+    inner = ds._gather
+
+    def spy(ids: torch.Tensor, own: bool) -> Any:
+        seen.append(ids)
+        return inner(ids, own=own)
+
+    monkeypatch.setattr(ds, "_gather", spy)
+    got = [(xb.cpu(), yb.cpu()) for xb, yb in DataLoader(ds, batch_size=64, shuffle=True)]
+    assert len(seen) == len(got) == 5
+    assert all(t.is_pinned() and t.device.type == "cpu" for t in seen)
+    assert sorted(torch.cat([yb for _, yb in got]).tolist()) == list(range(300))
+    for xb, yb in got:
+        assert torch.equal(xb, torch.from_numpy(x[yb.numpy()]))
+    ds.close()
