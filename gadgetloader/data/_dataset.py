@@ -25,6 +25,7 @@ from torch.utils.data._utils.collate import default_collate_fn_map
 
 from .._device import cuda_available, cupy_available, resolve_device
 from .._errors import GadgetIndexError, GadgetTypeError, GadgetValueError
+from .._fork import keep_in_forked_child
 from .._ids import as_ids, check_range
 from ..gadget import DataGadget
 from ..stores import Store
@@ -196,6 +197,8 @@ class GadgetDataset(Dataset[Any]):
                 "and this dataset has none"
             )
         self._device = resolve_device(device)
+        # its CUDA events and buffers must not be destroyed in a forked DataLoader worker
+        keep_in_forked_child(self)
         gadgets: list[DataGadget] = []
         self._owned: list[DataGadget] = []
         try:

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from .._errors import GadgetTypeError, GadgetValueError
+from .._fork import keep_in_forked_child
 from ._dataset import (  # noqa: F401 - the coalesce defaults, re-exported
     COALESCE_BYTES,
     COALESCE_MAX,
@@ -117,6 +118,7 @@ class GadgetLoader:
         if not isinstance(dataset, GadgetDataset):
             dataset = GadgetDataset(dataset)
         self._dataset = dataset
+        keep_in_forked_child(self)  # its streams, events and batches (see gadgetloader._fork)
         if sampler is None:
             if batch_size is None:
                 raise GadgetValueError("GadgetLoader needs batch_size= (or a sampler=)")

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import Sampler, get_worker_info
 
 from .._errors import GadgetKeyError, GadgetTypeError, GadgetValueError
+from .._fork import keep_in_forked_child
 
 __all__ = ["ORDERS", "GadgetSampler"]
 
@@ -203,7 +204,8 @@ def _id_buffer(num: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     small enough (:data:`PIN_ORDER_ROWS`) and pinning is possible (else pageable)."""
     if pin and num <= PIN_ORDER_ROWS and _can_pin():
         try:
-            return torch.empty(num, dtype=dtype, pin_memory=True)
+            # freed in a forked child after an async copy, it would abort the child
+            return keep_in_forked_child(torch.empty(num, dtype=dtype, pin_memory=True))
         except RuntimeError:  # no page-locked memory to be had (a memlock limit): pageable
             pass
     return torch.empty(num, dtype=dtype)

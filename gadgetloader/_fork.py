@@ -1,0 +1,41 @@
+"""Objects holding CUDA resources are never destroyed in a forked child.
+
+A ``DataLoader`` worker forked from a process that used CUDA inherits all of its
+parent's objects. Destroying one there that holds a CUDA resource -- a
+``torch.cuda.Event``, a CUDA tensor, page-locked memory that took part in an
+asynchronous copy -- calls into CUDA, which cannot work in a forked child, and torch
+aborts the worker from inside the destructor (``CUDA error: initialization error``,
+then ``DataLoader worker ... is killed by signal: Aborted``). The objects that die in a
+worker are those its parent had left in reference cycles: the child's garbage collector
+frees them. Objects registered here are instead kept alive for the child's whole life;
+a worker ends with ``os._exit``, so they are never destroyed there (the child's memory
+is a copy: nothing is held longer in the parent).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+
+#: objects to keep alive in a forked child (held weakly here)
+_HOLDERS: weakref.WeakSet[Any] = weakref.WeakSet()
+#: in a forked child: the registered objects that were alive at the fork
+_KEPT: list[Any] = []
+
+
+def keep_in_forked_child(obj: _T) -> _T:
+    """Register ``obj`` (weakly) so that a process forked while it is alive never
+    destroys it; returns ``obj``."""
+    _HOLDERS.add(obj)
+    return obj
+
+
+def _after_fork_in_child() -> None:
+    _KEPT.extend(list(_HOLDERS))
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
