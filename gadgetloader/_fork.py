@@ -20,8 +20,9 @@ from typing import Any, TypeVar
 
 _T = TypeVar("_T")
 
-#: objects to keep alive in a forked child (held weakly here)
-_HOLDERS: weakref.WeakSet[Any] = weakref.WeakSet()
+#: objects to keep alive in a forked child, by id (held weakly here; keyed by id so that
+#: no two objects are ever compared, which for tensors would compare their elements)
+_HOLDERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 #: in a forked child: the registered objects that were alive at the fork
 _KEPT: list[Any] = []
 
@@ -29,12 +30,12 @@ _KEPT: list[Any] = []
 def keep_in_forked_child(obj: _T) -> _T:
     """Register ``obj`` (weakly) so that a process forked while it is alive never
     destroys it; returns ``obj``."""
-    _HOLDERS.add(obj)
+    _HOLDERS[id(obj)] = obj
     return obj
 
 
 def _after_fork_in_child() -> None:
-    _KEPT.extend(list(_HOLDERS))
+    _KEPT.extend(list(_HOLDERS.values()))
 
 
 if hasattr(os, "register_at_fork"):

@@ -68,12 +68,12 @@ def test_registered_objects_outlive_a_fork_unregistered_ones_do_not() -> None:
 def test_pipeline_objects_register() -> None:
     ds = gl.GadgetDataset(np.zeros((64, 2), np.float32), device="cpu")
     loader = gl.GadgetLoader(ds, batch_size=8)
-    assert ds in _fork._HOLDERS and loader in _fork._HOLDERS
+    assert _fork._HOLDERS[id(ds)] is ds and _fork._HOLDERS[id(loader)] is loader
     ref = weakref.ref(loader)
     del loader
     gc.collect()
     assert ref() is None  # held weakly: the parent frees it as usual
-    assert ds in _fork._HOLDERS
+    assert _fork._HOLDERS[id(ds)] is ds
 
 
 class _Collecting(Dataset[int]):

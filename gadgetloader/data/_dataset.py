@@ -471,16 +471,25 @@ class GadgetDataset(Dataset[Any]):
         """The default form's list of ids as checked int64, or None: take the general path
         (which explains what is wrong with a list that is not all integers).
 
-        One C-level pass (``struct.pack_into``, ~2x ``array.array``) writes the ids
-        straight into a tensor -- page-locked where they go on to a GPU, so that their
-        upload needs no staging copy. ``struct`` takes anything with ``__index__``
-        and refuses floats and ints beyond int64; bools, which it would take as 0 and 1,
-        are looked for only when the smallest id is 0 or 1 (they are no row ids)."""
+        Only a list of Python ints takes this path: their ``sum()`` is an int, which
+        a tensor, a NumPy scalar, a float or a string anywhere in the list prevents (a
+        C-level pass). One ``struct.pack_into`` (~2x ``array.array``) then writes the
+        ids straight into a tensor -- page-locked where they go on to a GPU, so that
+        their upload needs no staging copy -- refusing ints beyond int64; bools, which
+        both would take as 0 and 1, are looked for only when the smallest id is 0 or 1
+        (they are no row ids)."""
+        try:
+            # every element a Python int (or bool, or int subclass) makes an int: a tensor,
+            # NumPy scalar, float or anything else gives another type or raises (C speed)
+            if type(sum(indices)) is not int:
+                return None
+        except Exception:  # noqa: BLE001 - whatever it is, the general path explains
+            return None
         n = len(indices)
         ids = _id_buffer(n, torch.int64, self._device.type == "cuda")
         try:
             struct.pack_into(f"{n}q", ids.numpy().data, 0, *indices)
-        except (struct.error, TypeError, OverflowError):
+        except (struct.error, TypeError, OverflowError, ValueError):
             return None
         lo, hi = (int(v) for v in torch.aminmax(ids))
         if lo <= 1 and any(type(i) is bool for i in indices):
@@ -611,6 +620,11 @@ class GadgetDataset(Dataset[Any]):
         state["_group"] = None
         state["_expect"] = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a copy (pickle, copy, deepcopy) is registered as the original is in __init__
+        self.__dict__.update(state)
+        keep_in_forked_child(self)
 
     def __enter__(self) -> GadgetDataset:
         return self

@@ -118,7 +118,7 @@ class GadgetLoader:
         if not isinstance(dataset, GadgetDataset):
             dataset = GadgetDataset(dataset)
         self._dataset = dataset
-        keep_in_forked_child(self)  # its streams, events and batches (see gadgetloader._fork)
+        keep_in_forked_child(self)  # never destroyed in a forked worker (see gadgetloader._fork)
         if sampler is None:
             if batch_size is None:
                 raise GadgetValueError("GadgetLoader needs batch_size= (or a sampler=)")
@@ -253,6 +253,11 @@ class GadgetLoader:
         self._active = None
 
     # ---- iteration ---------------------------------------------------------------------------
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a copy (pickle, copy, deepcopy) is registered as the original is in __init__
+        self.__dict__.update(state)
+        keep_in_forked_child(self)
+
     def __iter__(self) -> Iterator[GadgetBatch]:
         prev = self._active
         changes = getattr(self._sampler, "_changes", 0)
@@ -268,12 +273,14 @@ class GadgetLoader:
         self._sampler._check_next(epoch)  # (refused before the loader records a pass)
         active = [epoch, start, 0, changes]
         self._active = active
+        # a pass holds streams, events and batches in its generator's frame: like the
+        # loader, it must never be destroyed in a forked worker (see gadgetloader._fork)
         if self._direct or self._coalesce > 1:  # the sampler directly (see __init__)
-            return self._grouped(iter(self._sampler), active)
+            return keep_in_forked_child(self._grouped(iter(self._sampler), active))
         it = iter(self._dataloader)
         if self._device.type == "cuda" and self._prefetch > 0:
-            return self._prefetched(it, active)
-        return self._plain(it, active)
+            return keep_in_forked_child(self._prefetched(it, active))
+        return keep_in_forked_child(self._plain(it, active))
 
     def _finish(self, active: list[int]) -> None:
         if self._active is active:

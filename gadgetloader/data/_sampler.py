@@ -46,8 +46,9 @@ WIDE_ORDER_ROWS = 1 << 27
 AHEAD_TWO_ROWS = 1 << 24
 
 #: a sampler built on a dataset that reads on a CUDA device keeps orders (and sequential
-#: segments) of up to this many rows in page-locked memory (128 MiB a 2**24-row order,
-#: at most three alive), so that a dataset uploads a window of the order with one
+#: segments) of up to this many rows in page-locked memory (128 MiB a 2**24-row order;
+#: the sampler keeps the orders of up to three epochs, plus any asked for through
+#: ``epoch_order``, and a dataset's order window may still hold an older one), so that a dataset uploads a window of the order with one
 #: asynchronous copy instead of first copying it into a staging buffer on the host
 PIN_ORDER_ROWS = 1 << 24
 
