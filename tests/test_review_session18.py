@@ -367,9 +367,18 @@ def test_pinned_list_ids_registered_and_equal(
 def test_pin_refused_list_ids_fall_back(
     ds: gl.GadgetDataset, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``_can_pin`` True on this CPU build: pinning fails (RuntimeError), ids pageable."""
+    """``_can_pin`` True but page-locking refused (as on a CPU build, or under a memlock
+    limit): the ids are pageable and right."""
     monkeypatch.setattr(smod, "_can_pin", lambda: True)
     _force_list_pinning(monkeypatch)
+    real_empty = torch.empty
+
+    def refusing(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("pin_memory"):
+            raise RuntimeError("cudaHostAlloc failed: out of memory")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", refusing)
     got = ds._list_ids([1, 2, 3])
     assert got is not None and got.tolist() == [1, 2, 3] and not got.is_pinned()
     np.testing.assert_array_equal(_one(ds, [9, 8])[0].numpy(), X[[9, 8]])
