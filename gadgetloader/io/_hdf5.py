@@ -153,7 +153,9 @@ def _worker_info() -> Any:
 
 def _release_readers(writer: Hdf5Source) -> bool:
     """Let other sources of ``writer``'s file in this process drop their read-only handles
-    (each under its own lock; they reopen on their next read). Returns whether any did."""
+    (each under its own lock; they reopen on their next read). Returns whether any did.
+    Sources that reach the file through an external link count: HDF5 keeps a linked file
+    open read-only for as long as the linking file's handle holds its dataset."""
     pid, here = os.getpid(), os.path.realpath(writer.path)
     released = False
     for src in list(_OPEN):
@@ -162,7 +164,8 @@ def _release_readers(writer: Hdf5Source) -> bool:
             or src._mode != "r"
             or src._file is None
             or src._pid != pid
-            or os.path.realpath(src.path) != here
+            # (a source reached through an external link holds the linked file open too)
+            or here not in {os.path.realpath(w) for w in getattr(src, "watch_paths", (src.path,))}
         ):
             continue
         lock = src._guard()
@@ -431,9 +434,8 @@ class Hdf5Source(ArraySource):
                     else None
                 )
                 if obj.shape is None or len(obj.shape) == 0:
-                    raise GadgetValueError(
-                        f"{where} holds a scalar; a table needs at least one axis"
-                    )
+                    what = "an empty (null) dataspace" if obj.shape is None else "a scalar"
+                    raise GadgetValueError(f"{where} holds {what}; a table needs at least one axis")
                 self.shape = tuple(int(s) for s in obj.shape)
                 self._stored = obj.dtype
                 chunks = obj.chunks
