@@ -159,7 +159,7 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
             )
         return _to_tensor(arr)
     raise GadgetTypeError(
-        "ids must be a torch tensor, a NumPy or CuPy array, a list, a range or an int; "
+        "ids must be a torch tensor, a NumPy or CuPy array, a list, a tuple, a range or an int; "
         f"got {type(indexes).__name__}"
     )
 

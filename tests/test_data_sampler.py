@@ -321,7 +321,7 @@ def test_bad_options() -> None:
     ("key", "other", "match"),
     [
         ("num_rows", {"data_source": 99}, "dataset of a different size: num_rows=100"),
-        ("num_replicas", {"num_replicas": 2}, "different world size: num_replicas=1"),
+        ("num_replicas", {"num_replicas": 2, "rank": 1}, "different world size: num_replicas=1"),
         ("batch_size", {"batch_size": 5}, "batch_size=4"),
         ("order", {"order": "sequential"}, "order='random'"),
     ],
@@ -353,3 +353,17 @@ def test_pickles_mid_epoch() -> None:
     assert copy.state_dict() == s.state_dict()
     # a copy is not a resume: a new pass starts the epoch from its first batch
     assert flat(list(copy))[4:] == flat(list(it))
+
+
+def test_world_size_without_rank_is_refused_outside_distributed() -> None:
+    """Without torch.distributed, num_replicas > 1 and no rank would give every process
+    rank 0's share: refused, as torch's DistributedSampler refuses it; one replica and
+    explicit ranks are fine."""
+    assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    with pytest.raises(GadgetValueError, match=r"num_replicas=2 needs rank="):
+        GadgetSampler(10, batch_size=2, num_replicas=2)
+    assert GadgetSampler(10, batch_size=2, num_replicas=1).rank == 0
+    s = GadgetSampler(10, batch_size=2, num_replicas=2, rank=1)
+    assert (s.num_replicas, s.rank) == (2, 1)
+    with pytest.raises(GadgetValueError, match="num_replicas"):
+        GadgetSampler(10, batch_size=2, num_replicas=0)

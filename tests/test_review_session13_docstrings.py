@@ -1054,7 +1054,7 @@ def test_sampler_drop_last_rule(n, R, B):
         assert len(bs) == len(s) == n // (R * B)
         assert all(len(b) == B for b in bs)
         seen += [i for b in bs for i in b.tolist()]
-    order = gl.GadgetSampler(n, batch_size=B, num_replicas=R, drop_last=True).epoch_order()
+    order = gl.GadgetSampler(n, batch_size=B, num_replicas=R, rank=0, drop_last=True).epoch_order()
     assert sorted(seen) == sorted(order[: n - n % (R * B)].tolist())
 
 
@@ -1069,7 +1069,7 @@ def test_sampler_pad_rule(n, R, B):
         assert all(len(b) == B for b in bs)
         seen += [i for b in bs for i in b.tolist()]
     assert len(seen) == R * B * nb
-    order = gl.GadgetSampler(n, batch_size=B, num_replicas=R, pad=True).epoch_order().tolist()
+    order = gl.GadgetSampler(n, batch_size=B, num_replicas=R, rank=0, pad=True).epoch_order().tolist()
     missing = R * B * nb - n
     assert sorted(seen) == sorted(order + [order[i % n] for i in range(missing)])
 

@@ -306,7 +306,8 @@ class GadgetSampler(Sampler[Any]):
         file store's ``block_rows``) of ``data_source`` or of its store.
     num_replicas, rank : int, optional
         Shard over ranks; default: ``torch.distributed``'s world size and rank when
-        it is initialised, else one rank.
+        it is initialised, else one rank. Without ``torch.distributed``, a
+        ``num_replicas`` above 1 needs ``rank`` too (a ``GadgetValueError`` otherwise).
     coalesce : int, optional
         Read-ahead for the batches a dataset is asked for through its indexing, as
         ``DataLoader(ds, batch_sampler=sampler)`` does: when a batch follows the
@@ -352,7 +353,8 @@ class GadgetSampler(Sampler[Any]):
     default; a batch that straddles two windows needs chunks of both) reads each
     chunk once per epoch, as long as a batch is no larger than a window (the
     default ``window_chunks`` makes a window at least 16 batches); with room for
-    only one window, chunks at window boundaries are read again. The price is randomness: a batch draws from only ``window_chunks``
+    only one window, chunks at window boundaries may be read again (when a
+    batch straddles two windows). The price is randomness: a batch draws from only ``window_chunks``
     chunks, so rows that are stored together (sorted by label, time, user...)
     stay correlated within a window. Larger windows approach a full shuffle and
     need more read-ahead memory; ``window_chunks >= num_chunks`` is a full shuffle.
@@ -490,11 +492,21 @@ class GadgetSampler(Sampler[Any]):
     @staticmethod
     def _resolve_ranks(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
         dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
+        given = num_replicas is not None
         if num_replicas is None:
             num_replicas = torch.distributed.get_world_size() if dist_on else 1
-        if rank is None:
-            rank = torch.distributed.get_rank() if dist_on else 0
         num_replicas = _check_int(num_replicas, "num_replicas", minimum=1)
+        if rank is None and not dist_on:
+            if given and num_replicas != 1:
+                # (every process would read rank 0's share: torch's DistributedSampler
+                # refuses this too)
+                raise GadgetValueError(
+                    f"num_replicas={num_replicas!r} needs rank= too when torch.distributed is "
+                    "not initialised (each process passes its own rank); got no rank"
+                )
+            rank = 0
+        elif rank is None:
+            rank = torch.distributed.get_rank()
         rank = _check_int(rank, "rank", minimum=0)
         if rank >= num_replicas:
             raise GadgetValueError(f"rank must be in [0, {num_replicas - 1}]; got rank={rank}")
