@@ -783,6 +783,16 @@ class OffloadedEmbeddingBag(_OffloadedTable):
         local, rows, _ = self._rows_for(input)
         if offsets is not None:
             offsets = offsets.to(local.device)
+        elif local.dim() == 2 and local.shape[1] == 0:
+            # bags of no entries (torch's 2-D path fails on them: an arange of step 0):
+            # the same bags as a 1-D input with offsets, which torch gives as zeros
+            n_bags = local.shape[0]
+            offsets = torch.zeros(
+                n_bags + int(self.include_last_offset), dtype=torch.int64, device=local.device
+            )
+            local = local.reshape(-1)
+            if per_sample_weights is not None:
+                per_sample_weights = per_sample_weights.reshape(-1)
         if per_sample_weights is not None:
             # weights in a converted module's dtype (.double()) are taken in the table's
             per_sample_weights = per_sample_weights.to(local.device, rows.dtype)
