@@ -657,7 +657,8 @@ class OffloadedEmbeddingBag(_OffloadedTable):
     """``nn.EmbeddingBag`` (``mode`` 'sum', 'mean' or 'max') with its table in a store.
 
     ``forward(input, offsets=None, per_sample_weights=None)`` takes a 2-D input
-    (one bag per row) or a 1-D input with ``offsets``, as ``nn.EmbeddingBag``.
+    (one bag per row; with no columns, empty bags: zeros) or a 1-D input with
+    ``offsets``, as ``nn.EmbeddingBag``.
     Parameters otherwise as :class:`OffloadedEmbedding`. Lookups use exact row plans
     (one synchronisation each): bags are long, and a plan sized on the GPU would give
     the per-step variable one row per bag entry; torch's bag backward synchronises anyway.
