@@ -86,6 +86,41 @@ def _rows_of(sl: slice, n: int) -> range:
         ) from None
 
 
+def _is_row_part_index(indexes: Any) -> bool:
+    """Whether ``indexes`` is row ids followed by an index into each row (see
+    ``DataGadget._split_index``): a tuple holding a slice, an array or a tensor, or a list,
+    range or tuple of ids followed by anything but further id sequences."""
+    return isinstance(indexes, tuple) and (
+        any(
+            isinstance(x, (slice, np.ndarray, torch.Tensor))
+            or hasattr(x, "__cuda_array_interface__")
+            for x in indexes
+        )
+        or (
+            # a list, range or tuple of ids, then ints into the row: g[[1, 2], 0], as
+            # NumPy; anything else after such ids (a bool, None...) is refused as an index
+            # into the row, not read as a ragged list of ids
+            len(indexes) > 1
+            and isinstance(indexes[0], (list, range, tuple))
+            and not any(isinstance(x, (list, range, tuple)) for x in indexes[1:])
+        )
+    )
+
+
+def _many_ids(indexes: Any, num_rows: int, fn: str) -> Any:
+    """The row ids of a :func:`gather_many` / :func:`scatter_many` call: ids, or a ``slice``
+    of rows; an index into the rows is refused with a message that says so."""
+    if isinstance(indexes, slice):
+        return _rows_of(indexes, num_rows)
+    if _is_row_part_index(indexes):
+        raise GadgetTypeError(
+            f"{fn} takes row ids (or a slice of rows), not an index into the rows; got a tuple "
+            f"of {', '.join(type(x).__name__ for x in indexes)}: gather whole rows and index "
+            "each table's result (or write each table with DataGadget.insertData)"
+        )
+    return indexes
+
+
 def _is_int(x: Any) -> bool:
     """An integer index: an int, a NumPy integer, or anything with ``__index__`` (a 0-d
     integer tensor), but no bool."""
@@ -279,6 +314,11 @@ class DataGadget:
             requested = requested.lower()  # placement names are case-insensitive
         self._placement_requested = requested
         self._device = resolve_device(device)
+        if not isinstance(strategy, str):
+            raise GadgetTypeError(
+                f"strategy must be a name, one of {list(STRATEGIES)}; got {type(strategy).__name__}"
+            )
+        strategy = strategy.lower()  # case-insensitive, as placement names
         if strategy not in STRATEGIES:
             raise GadgetKeyError(
                 f"Unknown strategy {strategy!r}; expected one of {list(STRATEGIES)}"
@@ -600,7 +640,7 @@ class DataGadget:
             holding a slice, an array or a tensor is a NumPy-style index: row ids first,
             then slices or ints into each row, e.g. ``(slice(0, 6), slice(0, 3))`` is
             ``table[0:6, 0:3]`` (``out=`` then refused); so is a list of ids followed by
-            ints, ``([1, 2], 0)``. A tuple of plain ints is a list of ids. Slices into the
+            ints, ``([1, 2], 0)`` (or a tuple of ids). A tuple of plain ints is a list of ids. Slices into the
             row take int bounds and a positive step.
         device : optional
             Deliver to this device instead of :attr:`device`. In a DataLoader worker
@@ -626,6 +666,7 @@ class DataGadget:
             Non-integer ids.
         """
         self._store.check_open()
+        check_ids = bool(as_flag(check_ids, "check_ids"))  # (bool('False') is True)
         indexes, rest = self._split_index(indexes)
         if rest:
             if out is not None:
@@ -718,6 +759,7 @@ class DataGadget:
             anything is written, so the table is unchanged.
         """
         self._store.check_writable()
+        check_ids = bool(as_flag(check_ids, "check_ids"))
         self._check_no_waiting_lookup("insertData into this table")
         indexes, rest = self._split_index(indexes)
         if rest:
@@ -740,7 +782,7 @@ class DataGadget:
     def _split_index(self, indexes: Any) -> tuple[Any, tuple[Any, ...]]:
         """(row ids, index into each row) of a NumPy-style index: a ``slice`` of rows is
         their ``range``; a tuple holding a slice, an array or a tensor, or a list (or
-        range) of ids followed by ints, is (rows, then an
+        range, or tuple) of ids followed by ints, is (rows, then an
         index into the row: slices and ints). Other indexes are row ids as they are
         (a tuple of ints is a list of ids)."""
         if isinstance(indexes, slice):
@@ -756,19 +798,7 @@ class DataGadget:
                 "(1, 0) and (2, 1), which is not supported here; pass a 2-D array or tensor of "
                 "ids for a 2-D batch of rows, or gather the rows and index the result"
             )
-        if isinstance(indexes, tuple) and (
-            any(
-                isinstance(x, (slice, np.ndarray, torch.Tensor))
-                or hasattr(x, "__cuda_array_interface__")
-                for x in indexes
-            )
-            or (
-                # a list (or range) of ids, then ints into the row: g[[1, 2], 0], as NumPy
-                len(indexes) > 1
-                and isinstance(indexes[0], (list, range))
-                and all(_is_int(x) for x in indexes[1:])
-            )
-        ):
+        if _is_row_part_index(indexes):
             if len(indexes) > 1 + len(self.row_shape):
                 raise GadgetIndexError(
                     f"too many indices: this table has {1 + len(self.row_shape)} dimensions "
@@ -914,7 +944,10 @@ class DataGadget:
     def as_tensor(self) -> torch.Tensor:
         """The whole table as a torch tensor *without copying*: the CUDA view for
         ``cuda`` and ``pinned`` (GPU ops on it read/write host RAM in place for
-        ``pinned``), the CPU tensor for ``cpu``. Valid until :meth:`close`."""
+        ``pinned``), the CPU tensor for ``cpu``. Valid until :meth:`close` or
+        :meth:`load` (which gives the table new storage, except for a table interleaved
+        with its optimizer states: take a new view after it; an older view keeps the old
+        rows)."""
         self._store.check_open()
         view = self._store.device_view()
         if view is None:
@@ -924,11 +957,13 @@ class DataGadget:
         return view
 
     def getNumpyVersion(self, copy: bool = True) -> np.ndarray:
-        """The table as a NumPy array (a copy unless ``copy=False`` on a host-resident table).
+        """The table as a NumPy array (a copy unless ``copy=False`` on a host-resident table;
+        such a view, like :meth:`as_tensor`'s, is the table until :meth:`close` or :meth:`load`).
 
         bfloat16 tables come back as float32 (exact), since NumPy has no bfloat16.
         """
         self._store.check_open()
+        copy = bool(as_flag(copy, "copy"))
         host = self._store.host_view()
         if host is not None and not copy and self.dtype != torch.bfloat16:
             self._store.wait_for_gpu()  # GPU writes still queued on a pinned table land first
@@ -1381,8 +1416,8 @@ def gather_many(
     first = group[0]
     first._store.check_open()
     dev = first._delivery_device(device)
-    if isinstance(indexes, slice):  # a slice of rows, as getData takes
-        indexes = _rows_of(indexes, len(first))
+    check_ids = bool(as_flag(check_ids, "check_ids"))
+    indexes = _many_ids(indexes, len(first), "gather_many")  # (a slice of rows, as getData takes)
     ids = as_ids(indexes, len(first), first._store.ids_device(dev), check=check_ids)
     stores = [g._store for g in group]
     if all(s.ids_device(dev) == ids.device for s in stores):
@@ -1415,7 +1450,8 @@ def scatter_many(gadgets: Any, rows: Any, indexes: Any, *, check_ids: bool = Tru
     if len(rows) != len(group):
         raise GadgetValueError(f"got {len(group)} tables but {len(rows)} row tensors")
     checked = []
-    ids = _rows_of(indexes, len(group[0])) if isinstance(indexes, slice) else indexes
+    check_ids = bool(as_flag(check_ids, "check_ids"))
+    ids = _many_ids(indexes, len(group[0]), "scatter_many")
     for k, (g, r) in enumerate(zip(group, rows, strict=True)):
         try:
             g._store.check_writable()
