@@ -1069,7 +1069,9 @@ def test_sampler_pad_rule(n, R, B):
         assert all(len(b) == B for b in bs)
         seen += [i for b in bs for i in b.tolist()]
     assert len(seen) == R * B * nb
-    order = gl.GadgetSampler(n, batch_size=B, num_replicas=R, rank=0, pad=True).epoch_order().tolist()
+    order = (
+        gl.GadgetSampler(n, batch_size=B, num_replicas=R, rank=0, pad=True).epoch_order().tolist()
+    )
     missing = R * B * nb - n
     assert sorted(seen) == sorted(order + [order[i % n] for i in range(missing)])
 
