@@ -24,30 +24,43 @@ __all__ = [
 ]
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
+#: the largest count or seed a benchmark option takes: torch's sizes and generator seeds
+#: are 64-bit signed (a training benchmark seeds its tables with seed + k, too)
+MAX_OPTION_INT = 2**63 - 1
+
+
+def _bounded_int(text: str, low: int, high: int = MAX_OPTION_INT) -> int:
     import argparse
 
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected a number of at least {low}, got {value}")
+    if value > high:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of at most {high} (2**63 - 1 for counts), got {value}"
+            if high == MAX_OPTION_INT
+            else f"expected a number of at most {high}, got {value}"
+        )
     return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1 (and at most 2**63 - 1)."""
+    return _bounded_int(text, 1)
 
 
 def non_negative_int(text: str) -> int:
-    """An argparse type: an integer of at least 0."""
-    import argparse
+    """An argparse type: an integer of at least 0 (and at most 2**63 - 1)."""
+    return _bounded_int(text, 0)
 
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number of at least 0, got {value}")
-    return value
+
+def seed_int(text: str) -> int:
+    """An argparse type for ``--seed``: 0 up to 2**62 (every suite derives a few more
+    seeds from it, and torch's generators take signed 64-bit seeds)."""
+    return _bounded_int(text, 0, 2**62)
 
 
 def positive_float(text: str) -> float:

@@ -47,6 +47,7 @@ from ._common import (
     non_negative_int,
     positive_float,
     positive_int,
+    seed_int,
 )
 
 __all__ = ["add_arguments", "run"]
@@ -101,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="batches per GadgetLoader gather (default: the loader's own: on CUDA as many as fit in 64 MiB, up to 32; 8 for file columns)",
     )
     p.add_argument("--dir", default=None, help="directory for the benchmark's .npy file")
-    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0, help="random seed (0 to 2**62)")
 
 
 # ---- the table ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .._dtypes import as_torch_dtype, dtype_name
-from ._common import format_table, gbps, non_negative_int, positive_int, time_fn
+from ._common import format_table, gbps, positive_int, seed_int, time_fn
 
 __all__ = ["add_arguments", "run"]
 
@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--repeats", type=positive_int, default=20, help="timed runs per method (median reported)"
     )
-    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0, help="random seed (0 to 2**62)")
     p.add_argument("--no-speedtorch", action="store_true", help="skip SpeedTorch even if installed")
 
 

@@ -12,6 +12,7 @@ import argparse
 import itertools
 import math
 import os
+import re
 from typing import Any
 
 import torch
@@ -42,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--strategies",
         default="auto,kernel,sorted,hybrid,torch,staged,naive",
-        help="methods to time",
+        help="methods to time; also kernel-u<N> (row kernel unrolled N times, 1-16) and "
+        "kernel-v<B> (widest vector B bytes: 1, 2, 4, 8, 16)",
     )
     p.add_argument(
         "--hybrid-fractions", default="0.6", help="CPU shares to try for the hybrid strategy"
@@ -84,12 +86,23 @@ def _options(
     sizes = sorted(numbers(args.sizes_gb, float, "--sizes-gb", 1e-6))
     widths = numbers(args.widths, int, "--widths", 1)
     id_counts = numbers(args.ids, int, "--ids", 1)
-    methods = comma_list(
-        str(args.strategies),
-        _METHODS
-        + tuple(m for m in str(args.strategies).split(",") if m.strip().startswith("kernel-")),
-        "--strategies",
+    variants = tuple(
+        m.strip() for m in str(args.strategies).split(",") if m.strip().startswith("kernel-")
     )
+    for m in variants:
+        # kernel-u<unroll> (1-16) or kernel-v<widest vector in bytes> (1, 2, 4, 8 or 16)
+        match = re.fullmatch(r"kernel-(u|v)([0-9]+)", m)
+        ok = match is not None and (
+            1 <= int(match.group(2)) <= 16
+            if match.group(1) == "u"
+            else int(match.group(2)) in (1, 2, 4, 8, 16)
+        )
+        if not ok:
+            raise GadgetValueError(
+                f"--strategies: {m!r} is no kernel variant; expected kernel-u<unroll 1-16> or "
+                "kernel-v<vector bytes: 1, 2, 4, 8 or 16>"
+            )
+    methods = comma_list(str(args.strategies), _METHODS + variants, "--strategies")
     fractions = numbers(args.hybrid_fractions, float, "--hybrid-fractions", 0.0, 1.0)
     return sizes, widths, id_counts, methods, fractions
 

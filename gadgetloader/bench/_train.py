@@ -49,6 +49,7 @@ from ._common import (
     non_negative_int,
     positive_finite_float,
     positive_int,
+    seed_int,
 )
 
 __all__ = ["METHODS", "add_arguments", "format_report", "run"]
@@ -103,7 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--memcpy-mib", type=positive_int, default=1024, help="bytes for the memcpy ceiling (MiB)"
     )
-    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0, help="random seed (0 to 2**62)")
     p.add_argument(
         "--profile", metavar="FILE", help="append torch.profiler tables per method to FILE"
     )

@@ -5,6 +5,8 @@ source (gadgetloader, torch's Python, C builtins) and the top functions by own t
 Run: PYTHONPATH=. python3 notebooks/probes/dropin_host.py OUT.json"""
 import argparse, cProfile, collections, json, pstats, sys, time
 import torch
+if not torch.cuda.is_available():
+    sys.exit("this probe measures the GPU (CUDA, CuPy, pinned memory): run it on a CUDA machine")
 from gadgetloader.bench import _train as T
 
 p = argparse.ArgumentParser(); T.add_arguments(p); args = p.parse_args([])

@@ -17,6 +17,8 @@ import statistics
 import sys
 
 import torch
+if not torch.cuda.is_available():
+    sys.exit("this probe measures the GPU (CUDA, CuPy, pinned memory): run it on a CUDA machine")
 
 from gadgetloader.gadget import DataGadget
 from gadgetloader.stores._pinned import PinnedStore

@@ -1,10 +1,12 @@
 """Probe (H200, session 15): is the drop-in training step bound by the GPU or the host, and
 what would running its fused scatter on a side stream (overlapping the next step's gather)
 give? Modes: base (as shipped), side (scatter on a side stream, NO hazard handling: timing
-only), none (no scatter: timing only). Run: PYTHONPATH=. python3 overlap_scatter.py base,side,none
+only), none (no scatter: timing only). Run: PYTHONPATH=. python3 notebooks/probes/overlap_scatter.py base,side,none
 Results: notebooks/results/h200-run-session15.log."""
 import argparse, time, json, sys, os
 import torch
+if not torch.cuda.is_available():
+    sys.exit("this probe measures the GPU (CUDA, CuPy, pinned memory): run it on a CUDA machine")
 from gadgetloader.bench import _train as T
 from gadgetloader import _ids
 from gadgetloader.stores import _base

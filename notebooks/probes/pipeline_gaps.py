@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 import torch
+if not torch.cuda.is_available():
+    sys.exit("this probe measures the GPU (CUDA, CuPy, pinned memory): run it on a CUDA machine")
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader
