@@ -6,6 +6,7 @@ import contextlib
 import math
 import operator
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -119,6 +120,41 @@ def _many_ids(indexes: Any, num_rows: int, fn: str) -> Any:
             "each table's result (or write each table with DataGadget.insertData)"
         )
     return indexes
+
+
+#: ``torch.nn.init`` functions that fill a weight with one ``uniform_`` / ``normal_`` call of
+#: the table's own (the fan-based initialisers and their helpers); any other function of that
+#: module calling them would go on to use more of a tensor after the table was filled (torch
+#: 2.4's ``trunc_normal_`` draws uniformly, then calls ``erfinv_``)
+_WHOLE_TORCH_INITS = frozenset(
+    {
+        "uniform_",
+        "normal_",
+        "xavier_uniform_",
+        "xavier_normal_",
+        "kaiming_uniform_",
+        "kaiming_normal_",
+        "_no_grad_uniform_",
+        "_no_grad_normal_",
+    }
+)
+
+
+def _refuse_partial_torch_init() -> None:
+    """Refuse, before anything is written, a ``torch.nn.init`` function that would fill the
+    table and then fail on what a table lacks (refused calls change nothing)."""
+    caller = sys._getframe(2)  # (1: DataGadget.uniform_ / normal_; 2: who called it)
+    code = caller.f_code
+    if (
+        code.co_filename.replace(os.sep, "/").endswith("torch/nn/init.py")
+        and code.co_name not in _WHOLE_TORCH_INITS
+    ):
+        name = code.co_name.removeprefix("_no_grad_")
+        raise GadgetTypeError(
+            f"torch.nn.init.{name} needs more of a tensor "
+            "than a DataGadget is (nothing was changed); run it through init_, e.g. "
+            "g.init_(torch.nn.init.trunc_normal_, std=0.02)"
+        )
 
 
 def _is_int(x: Any) -> bool:
@@ -1110,6 +1146,7 @@ class DataGadget:
     ) -> DataGadget:
         """Fill the table from U(low, high) (``low <= high``, both finite and within the
         dtype's range, as is ``high - low``; floating-point tables)."""
+        _refuse_partial_torch_init()
         self._check_float("uniform_")
         low, high = self._check_bounds("uniform_", low=low, high=high)
         if not low <= high:
@@ -1126,6 +1163,7 @@ class DataGadget:
     ) -> DataGadget:
         """Fill the table from N(mean, std**2) (``std >= 0``; ``mean`` and ``std`` finite and
         within the dtype's range; floating-point tables)."""
+        _refuse_partial_torch_init()
         self._check_float("normal_")
         try:
             negative = not std >= 0  # nan too

@@ -1505,3 +1505,22 @@ def test_strategy_names_are_case_insensitive_and_typed() -> None:
         gl.DataGadget(REF.copy(), placement="cpu", strategy=None)
     with pytest.raises(gl.GadgetKeyError, match="Unknown strategy 'fast'"):
         gl.DataGadget(REF.copy(), placement="cpu", strategy="Fast")
+
+
+def test_torch_init_that_would_fill_then_fail_is_refused_first() -> None:
+    """A torch.nn.init function other than the fan-based ones that reaches the table's
+    uniform_ / normal_ (torch 2.4's trunc_normal_ draws uniformly, then calls erfinv_,
+    which a table lacks) is refused before anything is written. Simulated on any torch by
+    a function of torch/nn/init.py's own namespace."""
+    g = gl.DataGadget(np.full((8, 6), 7.0, np.float32), placement="cpu")
+    src = "def _no_grad_trunc_normal_(t):\n    t.uniform_(-1.0, 1.0)\n    t.erfinv_()\n"
+    ns: dict = {}
+    exec(compile(src, torch.nn.init.__file__, "exec"), ns)
+    with pytest.raises(gl.GadgetTypeError, match=r"torch\.nn\.init\.trunc_normal_ needs more"):
+        ns["_no_grad_trunc_normal_"](g)
+    assert (g.getNumpyVersion() == 7.0).all()
+    with pytest.raises(gl.GadgetTypeError):
+        torch.nn.init.trunc_normal_(g)  # (torch 2.13 fails before: no is_meta)
+    assert (g.getNumpyVersion() == 7.0).all()
+    torch.nn.init.kaiming_uniform_(g)  # the fan-based ones still fill the table in place
+    assert not (g.getNumpyVersion() == 7.0).any()

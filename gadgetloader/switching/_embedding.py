@@ -657,8 +657,8 @@ class OffloadedEmbeddingBag(_OffloadedTable):
     """``nn.EmbeddingBag`` (``mode`` 'sum', 'mean' or 'max') with its table in a store.
 
     ``forward(input, offsets=None, per_sample_weights=None)`` takes a 2-D input
-    (one bag per row; with no columns, empty bags: zeros) or a 1-D input with
-    ``offsets``, as ``nn.EmbeddingBag``.
+    (one bag per row, whatever ``include_last_offset`` says, as torch >= 2.5; with no
+    columns, empty bags: zeros) or a 1-D input with ``offsets``, as ``nn.EmbeddingBag``.
     Parameters otherwise as :class:`OffloadedEmbedding`. Lookups use exact row plans
     (one synchronisation each): bags are long, and a plan sized on the GPU would give
     the per-step variable one row per bag entry; torch's bag backward synchronises anyway.
@@ -782,15 +782,16 @@ class OffloadedEmbeddingBag(_OffloadedTable):
         # checked before the lookup is recorded: bad arguments leave no pending rows
         offsets, per_sample_weights = self._check_bag_args(input, offsets, per_sample_weights)
         local, rows, _ = self._rows_for(input)
+        # include_last_offset describes offsets: a 2-D input is one bag per row whatever it
+        # says (torch >= 2.5 ignores it there; torch 2.4 dropped the last bag, and crashed
+        # for mode='max' when that left none)
+        last_offset = self.include_last_offset and offsets is not None
         if offsets is not None:
             offsets = offsets.to(local.device)
         elif local.dim() == 2 and local.shape[1] == 0:
             # bags of no entries (torch's 2-D path fails on them: an arange of step 0):
             # the same bags as a 1-D input with offsets, which torch gives as zeros
-            n_bags = local.shape[0]
-            offsets = torch.zeros(
-                n_bags + int(self.include_last_offset), dtype=torch.int64, device=local.device
-            )
+            offsets = torch.zeros(local.shape[0], dtype=torch.int64, device=local.device)
             local = local.reshape(-1)
             if per_sample_weights is not None:
                 per_sample_weights = per_sample_weights.reshape(-1)
@@ -808,7 +809,7 @@ class OffloadedEmbeddingBag(_OffloadedTable):
                 offsets,
                 mode=self.mode,
                 per_sample_weights=per_sample_weights,
-                include_last_offset=self.include_last_offset,
+                include_last_offset=last_offset,
             )
         )
 
