@@ -154,6 +154,13 @@ def test_console_script_matches_python_m():
     exe = shutil.which("gadgetloader", path=str(Path(sys.executable).parent)) or shutil.which(
         "gadgetloader"
     )
+    if exe is None:
+        import importlib.metadata
+
+        try:
+            importlib.metadata.distribution("gadgetloader")
+        except importlib.metadata.PackageNotFoundError:
+            pytest.skip("gadgetloader is not installed here (run from a source tree)")
     assert exe is not None, "the gadgetloader entry point is not on PATH"
     p = subprocess.run([exe, "info", "--no-measure"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
@@ -172,7 +179,8 @@ def test_bench_without_suite_is_seed_and_writes_checked_json(tmp_path):
     assert (data["rows"], data["width"], data["ids"]) == (100, 4, 10)
     assert data["bytes_moved"] == 10 * 4 * 4
     assert data["results"], data
-    assert all(r["check"] == "ok" for r in data["results"]), data["results"]
+    checked = [r for r in data["results"] if "check" in r]  # (limit rows carry no check)
+    assert checked and all(r["check"] == "ok" for r in checked), data["results"]
     if not torch.cuda.is_available():  # README: "times the CPU methods and lists what it skipped"
         assert "skipped" in p.stdout
 
@@ -194,7 +202,8 @@ def test_bench_seed_dtype_names_as_readme(tmp_path, dtype):
     assert p.returncode == 0, p.stderr
     data = json.loads(out.read_text())
     assert data["dtype"] == want
-    assert all(r["check"] == "ok" for r in data["results"])
+    checked = [r for r in data["results"] if "check" in r]  # (limit rows carry no check)
+    assert checked and all(r["check"] == "ok" for r in checked)
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,16 @@ import torch
 
 import gadgetloader as gl
 
+
+@pytest.fixture(autouse=True)
+def _rows_delivered_to_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These probes check a CPU machine's behaviour against NumPy: on a CUDA machine rows
+    would arrive on the GPU by default (``device=None``), so the default is the CPU here."""
+    import gadgetloader._device as _dev
+
+    monkeypatch.setattr(_dev, "default_device", lambda: torch.device("cpu"))
+
+
 h5py = pytest.importorskip("h5py")
 zarr = pytest.importorskip("zarr")
 

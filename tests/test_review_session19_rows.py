@@ -18,6 +18,16 @@ from hypothesis import strategies as st
 
 import gadgetloader as gl
 
+
+@pytest.fixture(autouse=True)
+def _rows_delivered_to_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These probes check a CPU machine's behaviour against NumPy: on a CUDA machine rows
+    would arrive on the GPU by default (``device=None``), so the default is the CPU here."""
+    import gadgetloader._device as _dev
+
+    monkeypatch.setattr(_dev, "default_device", lambda: torch.device("cpu"))
+
+
 HYP = settings(
     max_examples=40,
     deadline=None,

@@ -22,6 +22,16 @@ import torch.nn.functional as F  # noqa: N812
 
 import gadgetloader as gl
 
+
+@pytest.fixture(autouse=True)
+def _rows_delivered_to_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These probes check a CPU machine's behaviour against NumPy: on a CUDA machine rows
+    would arrive on the GPU by default (``device=None``), so the default is the CPU here."""
+    import gadgetloader._device as _dev
+
+    monkeypatch.setattr(_dev, "default_device", lambda: torch.device("cpu"))
+
+
 #: torch.optim.Adafactor (torch >= 2.5): one more optimizer that cannot be paged
 _ADAFACTOR = [torch.optim.Adafactor] if hasattr(torch.optim, "Adafactor") else []
 
@@ -693,6 +703,10 @@ def test_switchers_optimizer_switcher_first_order_same_result():
         assert np.array_equal(a, b)
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the CPU fallback of pinned placements: a machine without CUDA",
+)
 def test_cpupinn_true_falls_back_to_cpu_with_one_warning():
     model = SkipGram(8, 4)
     with pytest.warns(gl.FallbackWarning):
@@ -2101,6 +2115,10 @@ def test_grad_accumulation_across_param_group_walks_matches_dense():
     np.testing.assert_allclose(e.weight.getNumpyVersion(), p.detach().numpy(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the CPU fallback of pinned placements: a machine without CUDA",
+)
 def test_readme_dropin_example_on_cpu():
     with pytest.warns(gl.FallbackWarning):
         model = torch.nn.ModuleDict(
