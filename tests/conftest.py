@@ -6,6 +6,8 @@ with a reason, where no CUDA device (or, for ``pinned``, no CuPy) is present.
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 
@@ -16,6 +18,15 @@ NEEDS_GPU = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device on this mach
 NEEDS_CUPY = pytest.mark.skipif(
     not (HAS_CUDA and cupy_available()), reason="needs a CUDA device and CuPy"
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A run started in the background of a non-interactive shell (``cmd &``) inherits an
+    ignored SIGINT, and Python then installs no KeyboardInterrupt handler: the Ctrl-C probes
+    (a save interrupted mid-way, ``convert`` exiting 130) need Ctrl-C to work as it does in
+    a terminal, here and in the processes the tests start."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
