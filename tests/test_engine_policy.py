@@ -72,30 +72,29 @@ def test_small_tables_fuse_and_huge_ones_go_one_by_one() -> None:
 
 
 def test_ordered_launch_shape_narrows_only_sparse_requests(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ascending requests: where the table holds at most 16 KB per id the ids cannot be
-    sparse and the launch keeps the default grid (0); otherwise rows of 32 B up to 2 KB
-    let the kernel pick the sparse shape from the ids (the vector width it would use);
-    wider rows keep the default."""
+    """Ascending requests: dense ones (up to 16 KB of table per id) keep the default grid;
+    sparse ones with rows of 512 B up to 2 KB get one block per SM with 8-byte vectors,
+    rows of 32 B up to 512 B one block per SM with 4-byte vectors; narrower and wider rows
+    keep the default."""
     from gadgetloader.transfer import _kernels as k
 
     table = 32 << 30
     shape = k.ordered_shape
     for row in (32, 128, 512, 1024, 4096):
-        assert shape(row, table, table // (8 << 10)) == 0  # 8 KB per id: dense
-        assert shape(row, table, table // k.SPARSE_GAP_BYTES) == 0
-    assert shape(512, table, 0) == 0
-    assert shape(512, table, 1) == 0  # one id: nothing to measure
+        assert shape(row, table, table // (8 << 10)) == (None, 16)  # 8 KB per id: dense
+        assert shape(row, table, table // k.SPARSE_GAP_BYTES) == (None, 16)
+    assert shape(512, table, 0) == (None, 16)
     for gap in (32 << 10, 256 << 10, 1 << 20):
         n = table // gap
-        for row in (32, 64, 128, 256, 511, 512, 1536, 2047):
-            assert shape(row, table, n) in (1, 2, 4, 8, 16)
-        assert shape(31, table, n) == 0  # narrower rows: the default
-        assert shape(2048, table, n) == 0  # 2 KB and wider gained nothing
-        assert shape(4096, table, n) == 0
-    monkeypatch.setattr(k, "SPARSE_VECTORS", ((512, 8), (64, 2)))
-    assert shape(1024, table, 1000) == 8
-    assert shape(128, table, 1000) == 2
-    assert shape(32, table, 1000) == 0  # below the table's narrowest entry
+        assert shape(512, table, n) == (1, 8)  # 256 threads x 8 B = 4 rows of 512 B per SM
+        assert shape(1536, table, n) == (1, 8)
+        assert shape(2047, table, n) == (1, 8)
+        assert shape(511, table, n) == (1, 4)  # 256 threads x 4 B: 1 KiB per SM
+        assert shape(128, table, n) == (1, 4)
+        assert shape(32, table, n) == (1, 4)
+        assert shape(31, table, n) == (None, 16)  # narrower rows: the default
+        assert shape(2048, table, n) == (None, 16)  # 2 KB and wider gained nothing
+        assert shape(4096, table, n) == (None, 16)
     # the grid: capped at blocks_per_sm per SM, never more blocks than the work needs
     monkeypatch.setattr(k, "_sm_count", lambda idx: 132)
     monkeypatch.setattr(k, "_max_blocks", lambda idx: 132 * 16)

@@ -220,28 +220,24 @@ def test_a_fresh_thread_launches_without_any_cuda_call_of_its_own() -> None:
         (384, torch.float32),
         (8, torch.float32),  # 32 B rows
         (32, torch.float16),  # 64 B rows
-        (33, torch.float32),  # 132 B rows: 4-byte vectors at most
+        (33, torch.float32),  # 132 B rows
+        (100, torch.uint8),  # 100 B rows: 4-byte vectors
     ],
 )
 @pytest.mark.parametrize("n_ids", [4, 300, 3000])
-@pytest.mark.parametrize("vector", [8, 4, 2, 1])
 def test_sparse_ordered_launches_move_the_same_rows(
-    width: int, dtype: torch.dtype, n_ids: int, vector: int, monkeypatch: pytest.MonkeyPatch
+    width: int, dtype: torch.dtype, n_ids: int
 ) -> None:
-    """Ascending ids through a 64 MiB table (22 KB to 16 MB of table per id: the kernels take
-    them as sparse and run the sparse shape, with each vector width); rows, repeats and
-    counts must come out as with the default grid."""
-    monkeypatch.setattr(_kernels, "SPARSE_VECTORS", ((32, vector),))
-    monkeypatch.setattr(_kernels, "SPARSE_SCATTER_VECTOR", vector)
+    """Ascending ids through a 64 MiB table (22 KB to 16 MB of table per id: the sparse launch
+    shape of ``ordered_shape``); rows, repeats and counts must come out as with the default
+    grid."""
     row_bytes = width * torch.empty((), dtype=dtype).element_size()
     rows = (64 << 20) // row_bytes
     src = (torch.rand(rows, width) * 100).to(dtype)
     g = gl.DataGadget(src, placement="pinned", strategy="sorted")
     table = g.as_tensor()
-    assert _kernels.ordered_shape(row_bytes, rows * row_bytes, n_ids) == vector
+    assert _kernels.ordered_shape(row_bytes, rows * row_bytes, n_ids)[0] == 1  # sparse shape
     ids = torch.randint(0, rows, (n_ids,), device="cuda")
-    if n_ids > 4:  # (four random ids may land close together)
-        assert _kernels.sparse_verdict(torch.sort(ids)[0], rows, (16 << 10) // row_bytes)
     ids[-1] = ids[0]  # a repeat
     s, perm = torch.sort(ids, stable=True)
     out = torch.zeros(n_ids, width, dtype=dtype, device="cuda")
@@ -278,30 +274,6 @@ def test_sparse_ordered_launches_move_the_same_rows(
     g.close()
 
 
-def test_kernels_judge_the_spread_of_ascending_ids_from_the_ids() -> None:
-    """The sparse shape is chosen on the GPU: uniform ids far apart are sparse; ids packed in
-    part of the table (popular rows), a dense head with a sparse tail, and a single
-    window's worth of ids are not."""
-    rows, gap = 10_000_000, 32  # 32 rows per id: 16 KB of 512 B rows
-    gen = torch.Generator().manual_seed(3)
-
-    def verdict(ids: torch.Tensor) -> bool:
-        return _kernels.sparse_verdict(torch.sort(ids)[0].cuda().contiguous(), rows, gap)
-
-    assert verdict(torch.randint(0, rows, (100_000,), generator=gen))  # 100 rows per id
-    assert verdict(torch.tensor([5, 10**6, 9 * 10**6]))
-    assert not verdict(torch.randint(0, 1_000_000, (100_000,), generator=gen))  # 10 rows per id
-    assert not verdict(torch.arange(50_000) * 20)  # evenly 20 rows apart
-    assert verdict(torch.arange(50_000) * 40)  # evenly 40 rows apart
-    head = torch.randint(0, 20_000, (60_000,), generator=gen)  # Zipf-like: a dense head
-    tail = torch.randint(0, rows, (40_000,), generator=gen)
-    assert not verdict(torch.cat([head, tail]))
-    assert not verdict(torch.tensor([7]))  # one id: nothing to measure
-    assert not verdict(torch.full((1000,), 42))  # one row, repeated
-    # bad ids (past the table, negative) only count as the table's ends, never overflow
-    assert not verdict(torch.tensor([-(2**62), 0, 2**62, 2**63 - 1]))
-
-
 def test_only_host_tables_get_the_sparse_shape() -> None:
     """A table in GPU memory keeps the default grid whatever the ids: the sparse shape helps
     only host memory, whose pages the GPU must translate."""
@@ -310,23 +282,23 @@ def test_only_host_tables_get_the_sparse_shape() -> None:
     assert _kernels.in_host_memory(host.as_tensor())
     assert not _kernels.in_host_memory(dev)
     geom = _kernels.group_geometry([dev])
-    assert _kernels._ordered_launch(dev, geom, 16) == (0, 0)
-    gap, vector = _kernels._ordered_launch(host.as_tensor(), geom, 16)
-    assert gap == (16 << 10) // 512 and vector in (1, 2, 4, 8, 16)
+    assert _kernels._ordered_launch(dev, geom, 16) == (None, 16)
+    assert _kernels._ordered_launch(host.as_tensor(), geom, 16) == (1, 8)
+    dev.copy_(torch.randn(1 << 16, 128))
     ids = torch.tensor([3, 900, 40_000, 65_000], device="cuda")
     out = torch.empty(4, 128, device="cuda")
-    dev.copy_(torch.randn(1 << 16, 128))
     _kernels.launch_gather(dev, ids, out, ordered=True)
     assert torch.equal(out, dev[ids])
     host.close()
 
 
 @pytest.mark.parametrize("placement", ["pinned", "cuda"])
-def test_ordered_launches_of_clustered_ids_move_the_same_rows(placement: str) -> None:
-    """Ids packed in a corner of a table large for their number (the host's estimate says
-    sparse, the ids say dense), and a dense head with a sparse tail: through the sorted
-    strategy and a row plan's write-back, the rows come out right."""
-    rows, width = 1 << 18, 64  # 64 MiB of 256 B rows
+@pytest.mark.parametrize("width", [16, 64, 128])
+def test_ordered_launches_of_clustered_ids_move_the_same_rows(placement: str, width: int) -> None:
+    """Ids packed in a corner of a table that is large for their number (the table's bytes
+    per id say sparse, the ids are dense), and a dense head with a sparse tail: through the
+    sorted strategy's gathers and scatters, the rows come out right."""
+    rows = (64 << 20) // (width * 4)
     src = torch.randn(rows, width)
     g = gl.DataGadget(src, placement=placement, strategy="sorted")
     gen = torch.Generator().manual_seed(5)
@@ -346,8 +318,6 @@ def test_ordered_launches_of_clustered_ids_move_the_same_rows(placement: str) ->
         g.insertData(new.cuda(), u.cuda())
         src[u] = new
         assert torch.equal(g.as_tensor().cpu(), src)
-        if placement == "pinned":
-            assert not _kernels.sparse_verdict(u.cuda(), rows, (16 << 10) // 256)
     g.close()
 
 

@@ -15,9 +15,7 @@ Design (see ``DESIGN.md``):
   last line of defence: a kernel never reads or writes outside a table, even if a
   caller skipped the host-side check (which raises before any launch).
 * ``pos`` lets a gather visit ids in sorted order while writing each row to its
-  original output position. A launch whose ids ascend may let the kernel pick its shape
-  from how far apart the ids are (``sparse_gap``): sparse requests run with few rows
-  in flight (see :func:`ordered_shape`). A scatter of stably sorted ids writes only the last
+  original output position. A scatter of stably sorted ids writes only the last
   entry of each run of equal ids (its last occurrence), tested in the kernel by
   comparing with the next id: no mask, no compaction, no GPU->CPU synchronisation.
 * One launch moves the same ids for up to four tables of one row layout (a table
@@ -81,12 +79,12 @@ _SOURCE = r"""
 struct GatherArgs {
     const void* table[4]; void* out[4];
     long long n_rows, vpr, pitch, segs; const long long* ids; const long long* pos; long long n;
-    const long long* count; long long sparse_gap, sparse_role, sparse_vector;
+    const long long* count;
 };
 struct ScatterArgs {
     void* table[4]; const void* rows[4];
     long long n_rows, vpr, pitch, segs; const long long* ids; const long long* pos;
-    long long mode, n; const long long* count; long long sparse_gap, sparse_role, sparse_vector;
+    long long mode, n; const long long* count;
 };
 
 // q = k / d, r = k - q * d; with 32-bit arithmetic when everything fits (64-bit division
@@ -104,89 +102,56 @@ __device__ __forceinline__ void divmod(long long k, long long d, bool small, lon
     }
 }
 
-// The launch shape of ascending ids, chosen on the GPU from the ids themselves (sparse_gap
-// > 0; see ordered_shape in Python): the request is *sparse* when at least 7 of 8 windows
-// of w consecutive ids, spread evenly over it, each span more than sparse_gap table rows
-// per id. A sparse request is bound by the GPU's translations of host pages, which it
-// serves faster with few rows in flight. Such a launch is two launches of one kernel: the
-// whole grid with sparse_role 1, which moves the rows if the ids are dense, and a grid of
-// a few blocks per SM with sparse_role 2 and vectors of sparse_vector bytes, which moves
-// them if the ids are sparse; the other returns at once. (One launch whose surplus blocks
-// returned was measured slower: the working blocks are then not spread over the SMs.)
-// Each block's first thread decides (16 cached loads); every block reaches the same verdict.
-__device__ __forceinline__ bool sparse_ids(const long long* ids, long long n, long long n_rows,
-                                           long long gap)
-{
-    __shared__ int verdict;
-    if (threadIdx.x == 0) {
-        int hits = 0;
-        if (n >= 2) {
-            const long long w = min(64LL, max(1LL, (n - 1) / 8));
-            for (int k = 0; k < 8; ++k) {
-                const long long p = (n - 1 - w) * k / 7;
-                const long long lo = min(max(ids[p], 0LL), n_rows);  // (a bad id: no overflow)
-                const long long hi = min(max(ids[p + w], 0LL), n_rows);
-                if (hi - lo > gap * w) ++hits;
-            }
-        }
-        verdict = hits >= 7;
-    }
-    __syncthreads();
-    return verdict != 0;
-}
-
-// One pass over the request with vectors of type V (vpr, pitch: in V units), threads
-// i = blockIdx.x * blockDim.x + threadIdx.x stepping by `stride`, U vectors in flight each.
-template <typename V, int U>
-__device__ __forceinline__ void gather_loop(const GatherArgs& a, long long vpr, long long pitch,
-                                            long long stride)
+template <typename V>
+__device__ __forceinline__ void gather_rows(const GatherArgs& a)
 {
     const int y = blockIdx.y;
     const V* __restrict__ src = (const V*)a.table[y];
-    const long long span = vpr * a.segs;
+    const long long span = a.vpr * a.segs;
     const long long total = a.n * span;
     const long long valid = a.count ? min(max(*a.count, 0LL), a.n) : a.n;
-    const bool small = total + stride * U < 4294967296LL;
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    const bool small = total + stride * UNROLL < 4294967296LL;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += stride * U) {
-        V v[U];
-        V* dst[U];
+         i += stride * UNROLL) {
+        V v[UNROLL];
+        V* dst[UNROLL];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
             const long long k = i + u * stride;
             dst[u] = nullptr;
             if (k < total) {
                 long long j, cc, s = 0, c;
                 divmod(k, span, small, j, cc);
-                if (a.segs > 1) divmod(cc, vpr, small, s, c); else c = cc;
+                if (a.segs > 1) divmod(cc, a.vpr, small, s, c); else c = cc;
                 const long long r = j < valid ? a.ids[j] : -1;  // rows past the count: zeros
-                dst[u] = (V*)a.out[y + s] + (a.pos ? a.pos[j] : j) * vpr + c;
-                v[u] = (r >= 0 && r < a.n_rows) ? src[r * pitch + cc] : V();  // never read outside
+                dst[u] = (V*)a.out[y + s] + (a.pos ? a.pos[j] : j) * a.vpr + c;
+                v[u] = (r >= 0 && r < a.n_rows) ? src[r * a.pitch + cc] : V();  // never read outside
             }
         }
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
             if (dst[u]) *dst[u] = v[u];
         }
     }
 }
 
-template <typename V, int U>
-__device__ __forceinline__ void scatter_loop(const ScatterArgs& a, long long vpr, long long pitch,
-                                             long long stride)
+template <typename V>
+__device__ __forceinline__ void scatter_rows(const ScatterArgs& a)
 {
     const int y = blockIdx.y;
     V* __restrict__ table = (V*)a.table[y];
-    const long long span = vpr * a.segs;
+    const long long span = a.vpr * a.segs;
     const long long n = a.count ? min(max(*a.count, 0LL), a.n) : a.n;
     const long long total = n * span;
-    const bool small = total + stride * U < 4294967296LL;
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    const bool small = total + stride * UNROLL < 4294967296LL;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += stride * U) {
-        V v[U];
-        V* to[U];
+         i += stride * UNROLL) {
+        V v[UNROLL];
+        V* to[UNROLL];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
             const long long k = i + u * stride;
             to[u] = nullptr;
             if (k < total) {
@@ -197,74 +162,17 @@ __device__ __forceinline__ void scatter_loop(const ScatterArgs& a, long long vpr
                 const bool wins = a.mode == 0 || j + 1 == n || a.ids[j + 1] != r;
                 if (wins && r >= 0 && r < a.n_rows) {  // never write outside
                     long long s = 0, c = cc;
-                    if (a.segs > 1) divmod(cc, vpr, small, s, c);
-                    v[u] = ((const V*)a.rows[y + s])[(a.pos ? a.pos[j] : j) * vpr + c];
-                    to[u] = table + r * pitch + cc;
+                    if (a.segs > 1) divmod(cc, a.vpr, small, s, c);
+                    v[u] = ((const V*)a.rows[y + s])[(a.pos ? a.pos[j] : j) * a.vpr + c];
+                    to[u] = table + r * a.pitch + cc;
                 }
             }
         }
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
             if (to[u]) *to[u] = v[u];
         }
     }
-}
-
-// sparse_ids' verdict on its own (tests and probes): out[0] = 1 for a sparse request
-struct VerdictArgs { const long long* ids; long long n, n_rows, gap; long long* out; };
-
-extern "C" __global__ void gl_sparse_verdict(const VerdictArgs a)
-{
-    const bool sparse = sparse_ids(a.ids, a.n, a.n_rows, a.gap);
-    if (threadIdx.x == 0) a.out[0] = sparse ? 1 : 0;
-}
-
-// The sparse shape's vectors (sparse_vector bytes, at most V's): N is one of them.
-#define GL_SPARSE_CASES(LOOP, V)                                                          \
-    switch (sizeof(V) < (size_t)a.sparse_vector ? (long long)sizeof(V) : a.sparse_vector) { \
-    case 16: LOOP(uint4); break;                                                          \
-    case 8: LOOP(uint2); break;                                                           \
-    case 4: LOOP(unsigned int); break;                                                    \
-    case 2: LOOP(unsigned short); break;                                                  \
-    default: LOOP(unsigned char); break;                                                  \
-    }
-
-template <typename V>
-__device__ __forceinline__ void gather_rows(const GatherArgs& a)
-{
-    if (a.sparse_gap > 0) {
-        const long long valid = a.count ? min(max(*a.count, 0LL), a.n) : a.n;
-        const bool sparse = sparse_ids(a.ids, valid, a.n_rows, a.sparse_gap);
-        if (sparse != (a.sparse_role == 2)) return;  // the other launch moves the rows
-        if (sparse) {
-            const long long stride = (long long)blockDim.x * gridDim.x;
-#define GL_G(N) gather_loop<N, 1>(a, a.vpr * (long long)(sizeof(V) / sizeof(N)), \
-                                  a.pitch * (long long)(sizeof(V) / sizeof(N)), stride)
-            GL_SPARSE_CASES(GL_G, V)
-#undef GL_G
-            return;
-        }
-    }
-    gather_loop<V, UNROLL>(a, a.vpr, a.pitch, (long long)blockDim.x * gridDim.x);
-}
-
-template <typename V>
-__device__ __forceinline__ void scatter_rows(const ScatterArgs& a)
-{
-    if (a.sparse_gap > 0) {
-        const long long n = a.count ? min(max(*a.count, 0LL), a.n) : a.n;
-        const bool sparse = sparse_ids(a.ids, n, a.n_rows, a.sparse_gap);
-        if (sparse != (a.sparse_role == 2)) return;  // the other launch moves the rows
-        if (sparse) {
-            const long long stride = (long long)blockDim.x * gridDim.x;
-#define GL_S(N) scatter_loop<N, 1>(a, a.vpr * (long long)(sizeof(V) / sizeof(N)), \
-                                   a.pitch * (long long)(sizeof(V) / sizeof(N)), stride)
-            GL_SPARSE_CASES(GL_S, V)
-#undef GL_S
-            return;
-        }
-    }
-    scatter_loop<V, UNROLL>(a, a.vpr, a.pitch, (long long)blockDim.x * gridDim.x);
 }
 
 // All arguments travel in one struct passed by value: one kernel parameter to marshal
@@ -406,47 +314,50 @@ def _max_blocks(device_index: int) -> int:
 
 #: table bytes per id above which an ascending request is taken as *sparse*: each row then
 #: needs its own translation of a host page, which the GPU serves faster with fewer rows in
-#: flight. The kernel measures it on the ids themselves (see :func:`ordered_shape`).
+#: flight
 SPARSE_GAP_BYTES = 16 << 10
 #: rows narrower than this, or this wide and wider, keep the default grid (see
 #: :func:`ordered_shape`)
 MIN_SHAPED_ROW, MAX_SHAPED_ROW = 32, 2048
-#: vector bytes of a sparse launch by row size: (smallest row bytes, vector bytes), widest
-#: rows first. 256 threads x 8 B = 2 KiB in flight per SM.
-SPARSE_VECTORS: tuple[tuple[int, int], ...] = ((32, 8),)
-#: vector bytes of a sparse scatter, any row size (narrower ones measured no faster)
-SPARSE_SCATTER_VECTOR = 8
-#: blocks per SM of a sparse launch
-SPARSE_BLOCKS_PER_SM = 1
+#: vector bytes of a sparse launch by row size, widest rows first: (smallest row bytes,
+#: vector bytes). One block of 256 threads per SM: 2 KiB in flight per SM for rows of
+#: 512 B and wider, 1 KiB for narrower ones.
+SPARSE_VECTORS: tuple[tuple[int, int], ...] = ((512, 8), (32, 4))
 
 
-def ordered_shape(row_nbytes: int, table_nbytes: int, n_ids: int) -> int:
-    """The vector bytes of the *sparse* shape for a launch whose ``n_ids`` ids ascend through a
-    table of ``table_nbytes`` in host memory, or 0: the default grid, whatever the ids.
+def ordered_shape(row_nbytes: int, table_nbytes: int, n_ids: int) -> tuple[int | None, int]:
+    """(blocks per SM, or None for the default grid; widest vector in bytes) for a launch
+    whose ``n_ids`` ids ascend through a table of ``table_nbytes`` in host memory.
 
     The default grid (16 blocks of 256 threads per SM, 16-byte vectors) keeps ~8 MB of
     loads in flight, which dense requests need to fill the link. A sparse request is
     bound by the GPU's translations of host pages instead, which it serves faster with
-    fewer rows in flight (DESIGN.md, "Launch shape for sparse ascending requests"). How
-    far apart the ids are is known only on the GPU (they may cluster in part of the table:
-    popular rows), so the kernel decides: where this returns a width, it launches the
-    default grid and each block looks at the ids (8 windows spread over them); if at
-    least 7 windows span more than :data:`SPARSE_GAP_BYTES` of table per id, only
-    :data:`SPARSE_BLOCKS_PER_SM` blocks per SM work, with vectors of the returned width.
-    That needs rows of :data:`MIN_SHAPED_ROW` up to :data:`MAX_SHAPED_ROW` bytes (wider
-    rows gained nothing from any shape) and a table with more than
-    :data:`SPARSE_GAP_BYTES` per id on average (else the ids cannot be sparse).
+    fewer rows in flight; so rows of :data:`MIN_SHAPED_ROW` up to :data:`MAX_SHAPED_ROW`
+    bytes from a table with more than :data:`SPARSE_GAP_BYTES` per id get one block per
+    SM, with the vectors of :data:`SPARSE_VECTORS` (8 bytes for rows of 512 B and wider,
+    4 below). H200 (DESIGN.md, "Launch shape for sparse ascending requests"): gathers of
+    131,072 sorted 512 B ids from 4-64 GB tables 9-18% faster than with the default grid
+    (1M ids on 64 GB: 25%); 128-256 B rows from a 32 GB table 6-19% faster at 32-256 KB of
+    table per id and 4-6x at 1 MB; 2-4 KB rows gained nothing.
+
+    The table's bytes per id is only an estimate of how far apart the ids are (they
+    may cluster in part of the table, and their real spread is on the GPU), so the shapes
+    are ones that measured close to the default on dense requests too (within 2% on ids
+    packed in 1/32 of a 32 GB table): narrower vectors were faster still on truly sparse
+    requests but 40-60% slower on such clustered ones. (A build in which the kernel judged
+    the ids' spread itself and picked narrower vectors only for sparse ids was slower on
+    small sparse requests: DESIGN.md.)
     """
     if (
-        n_ids <= 1
+        n_ids <= 0
         or not MIN_SHAPED_ROW <= row_nbytes < MAX_SHAPED_ROW
         or table_nbytes // n_ids <= SPARSE_GAP_BYTES
     ):
-        return 0
+        return None, 16
     for smallest, vector in SPARSE_VECTORS:
         if row_nbytes >= smallest:
-            return vector
-    return 0
+            return 1, vector
+    return None, 16
 
 
 #: whether a pointer is host memory (registered or CUDA-allocated), by (pointer, device)
@@ -740,9 +651,9 @@ def _pointer_args(tensors: list[torch.Tensor]) -> list[int]:
     return ptrs + [ptrs[0]] * (MAX_TABLES - len(ptrs))  # unused slots: never selected
 
 
-#: the kernels' argument structs as raw 8-byte words (GatherArgs: 19, ScatterArgs: 20)
-_GATHER_ARGS = np.dtype([("w", np.uint64, (19,))])
-_SCATTER_ARGS = np.dtype([("w", np.uint64, (20,))])
+#: the kernels' argument structs as raw 8-byte words (GatherArgs: 16, ScatterArgs: 17)
+_GATHER_ARGS = np.dtype([("w", np.uint64, (16,))])
+_SCATTER_ARGS = np.dtype([("w", np.uint64, (17,))])
 
 
 def _count_ptr(count: torch.Tensor | None, device: torch.device) -> int:
@@ -772,85 +683,16 @@ def _layout(
     return w, row_nbytes // w, pitch // w, segs, (1 if segs > 1 else len(tables))
 
 
-def _ordered_launch(table: torch.Tensor, geom: tuple[int, int, int], n: int) -> tuple[int, int]:
-    """``(gap in table rows per id, sparse vector bytes)`` for a launch whose ids ascend, or
-    ``(0, 0)``: the default grid alone. By :func:`ordered_shape` for the group's whole row
-    (an interleaved group moves whole wide rows), for tables in host memory."""
+def _ordered_launch(
+    table: torch.Tensor, geom: tuple[int, int, int], n: int
+) -> tuple[int | None, int]:
+    """:func:`ordered_shape` for a launch group (an interleaved group moves whole wide rows);
+    the default grid for a table in GPU memory."""
     row_nbytes, pitch, segs = geom
-    vector = ordered_shape(row_nbytes * segs, table.shape[0] * pitch, n)
-    if not vector or not in_host_memory(table):
-        return 0, 0
-    return max(1, SPARSE_GAP_BYTES // pitch), vector
-
-
-def _launch_shaped(
-    kind: str,
-    unroll: int,
-    idx: int,
-    grid: tuple[int, int],
-    words: list[int],
-    struct: np.dtype,
-    device: torch.device,
-    shape: tuple[int, int],
-    w: int,
-) -> None:
-    """The launch of ``gl_{kind}_{w}`` with ``words`` (the struct less its three shape
-    words: vectors per row, pitch and segments at words 9-11, in ``w``-byte units; the id
-    count at word 14 for a gather, 15 for a scatter) on ``grid``;
-    with a ``shape`` from :func:`_ordered_launch`, two launches: the whole grid for dense
-    ids, and :data:`SPARSE_BLOCKS_PER_SM` blocks per SM of the sparse width's own kernel for
-    sparse ones, each deciding from the ids which of them moves the rows. (The sparse
-    shape run inside the wide kernel measured up to 5x slower on small sparse requests
-    than the same shape from its own kernel.)"""
-    gap, vector = shape
-    if not gap:
-        _launch(_function(idx, unroll, f"gl_{kind}_{w}"), grid, [*words, 0, 0, 0], struct, device)
-        return
-    _launch(
-        _function(idx, unroll, f"gl_{kind}_{w}"), grid, [*words, gap, 1, vector], struct, device
-    )
-    v = min(w, vector)
-    sparse = list(words)
-    sparse[9] *= w // v  # vectors per row
-    sparse[10] *= w // v  # pitch
-    rows = words[14] if kind == "gather" else words[15]  # n
-    total = rows * sparse[9] * sparse[11]  # n * vectors per row * segments
-    _launch(
-        _function(idx, unroll, f"gl_{kind}_{v}"),
-        (_grid(total, idx, 1, SPARSE_BLOCKS_PER_SM), grid[1]),
-        [*sparse, gap, 2, v],
-        struct,
-        device,
-    )
-
-
-def sparse_verdict(ids: torch.Tensor, n_rows: int, gap_rows: int) -> bool:
-    """Whether the kernels would take these ascending ``ids`` (contiguous int64 on a CUDA
-    device) as sparse, for a table of ``n_rows`` rows and a gap of ``gap_rows`` table rows
-    per id (see :func:`ordered_shape`). Reads the verdict back: for tests and probes."""
-    if ids.dtype != torch.int64 or not ids.is_cuda or not ids.is_contiguous():
-        raise ValueError(
-            f"ids must be contiguous int64 on a CUDA device; got {ids.dtype} on {ids.device}"
-        )
-    device = ids.device
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    out = torch.zeros(1, dtype=torch.int64, device=device)
-    _launch(
-        _function(idx, UNROLL, "gl_sparse_verdict"),
-        (1, 1),
-        [ids.data_ptr(), ids.numel(), n_rows, gap_rows, out.data_ptr()],
-        _VERDICT_ARGS,
-        device,
-        32,
-    )
-    return bool(out.item())
-
-
-#: VerdictArgs: 5 words
-_VERDICT_ARGS = np.dtype([("w", np.uint64, (5,))])
-
-#: the sparse-shape words of a launch that runs the default grid alone
-_DEFAULT_SHAPE = [0, 0, 0]
+    shape = ordered_shape(row_nbytes * segs, table.shape[0] * pitch, n)
+    if shape[0] is not None and not in_host_memory(table):
+        return None, 16
+    return shape
 
 
 def launch_gather(
@@ -870,10 +712,9 @@ def launch_gather(
     ``count``: a 1-element int64 CUDA tensor; only the first ``count`` ids are read
     and the output rows of the others are zero-filled (a plan sized on the GPU).
 
-    ``ordered=True`` says the ids ascend: where :func:`ordered_shape` allows, the kernel
-    then picks its shape from the ids' spread on the GPU. ``blocks_per_sm`` or a narrower
-    ``max_vector`` force a shape instead (the ids' order is then not looked at). Any
-    shape gives the same result.
+    ``ordered=True`` says the ids ascend: the launch shape then follows
+    :func:`ordered_shape` unless ``blocks_per_sm`` or a narrower ``max_vector`` is given.
+    Any shape gives the same result.
 
     ``table`` and ``out`` may be lists (up to :data:`MAX_TABLES`, same row count and
     row size): the same ids are gathered from every table in one launch. An id
@@ -890,15 +731,12 @@ def launch_gather(
     if n == 0 or geom[0] == 0:
         return
     device = outs[0].device
-    shape = (0, 0)
     if ordered and blocks_per_sm is None and max_vector >= 16:
-        shape = _ordered_launch(tables[0], geom, n)
+        blocks_per_sm, max_vector = _ordered_launch(tables[0], geom, n)
     w, vpr, pitch, segs, gy = _layout(tables, outs, geom, max_vector)
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    _launch_shaped(
-        "gather",
-        unroll,
-        idx,
+    _launch(
+        _function(idx, unroll, f"gl_gather_{w}"),
         (_grid(n * vpr * segs, idx, unroll, blocks_per_sm), gy),
         [
             *_pointer_args(tables),
@@ -914,8 +752,6 @@ def launch_gather(
         ],
         _GATHER_ARGS,
         device,
-        shape,
-        w,
     )
 
 
@@ -973,7 +809,7 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> No
     _launch(
         fn,
         (_grid(n * span, idx), 1),
-        [*head, *([out.data_ptr()] * MAX_TABLES), *tail, ids.data_ptr(), 0, n, 0, 0, 0, 0],
+        [*head, *([out.data_ptr()] * MAX_TABLES), *tail, ids.data_ptr(), 0, n, 0],
         _GATHER_ARGS,
         device,
     )
@@ -997,8 +833,7 @@ def launch_scatter(
     ``count``: a 1-element int64 CUDA tensor; only the first ``count`` ids are written.
     ``ordered``, ``blocks_per_sm``, ``max_vector``: the launch shape, as in
     :func:`launch_gather`; ``unroll`` (rows a thread writes per pass) defaults to
-    :data:`SCATTER_UNROLL` (the sparse shape of an ordered request writes one per pass:
-    measured faster).
+    :data:`SCATTER_UNROLL`, and to 1 for a sparse ordered request (measured faster).
 
     ``mode`` :data:`SCATTER_ALL` writes every entry (the ids must be distinct, or a
     repeated row's bytes may mix); :data:`SCATTER_LAST_OF_RUN` expects ids sorted
@@ -1013,18 +848,16 @@ def launch_scatter(
     if n == 0 or geom[0] == 0:
         return
     device = srcs[0].device
-    shape = (0, 0)
     if ordered and blocks_per_sm is None and max_vector >= 16:
-        gap, _ = _ordered_launch(tables[0], geom, n)
-        shape = (gap, SPARSE_SCATTER_VECTOR if gap else 0)
+        blocks_per_sm, max_vector = _ordered_launch(tables[0], geom, n)
+        if unroll is None and blocks_per_sm is not None:
+            unroll = 1
     if unroll is None:
         unroll = SCATTER_UNROLL
     w, vpr, pitch, segs, gy = _layout(tables, srcs, geom, max_vector)
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    _launch_shaped(
-        "scatter",
-        unroll,
-        idx,
+    _launch(
+        _function(idx, unroll, f"gl_scatter_{w}"),
         (_grid(n * vpr * segs, idx, unroll, blocks_per_sm), gy),
         [
             *_pointer_args(tables),
@@ -1041,8 +874,6 @@ def launch_scatter(
         ],
         _SCATTER_ARGS,
         device,
-        shape,
-        w,
     )
 
 
@@ -1237,7 +1068,6 @@ class FusedLauncher:
                 0,
                 n,
                 _count_ptr(count, self.device),
-                *_DEFAULT_SHAPE,
             ],
             _GATHER_ARGS,
             self.device,
@@ -1265,7 +1095,6 @@ class FusedLauncher:
                 SCATTER_ALL,
                 n,
                 _count_ptr(count, self.device),
-                *_DEFAULT_SHAPE,
             ],
             _SCATTER_ARGS,
             self.device,

@@ -1,4 +1,4 @@
-"""The sparse launch shape chosen on the GPU from the ids' own spread (session 20).
+"""Launch shapes of sorted gathers and scatters of narrow to 1 KB rows (session 20).
 
 Run on a CUDA machine from the repository root (needs 32 GB of pinnable host RAM)::
 
@@ -7,13 +7,16 @@ Run on a CUDA machine from the repository root (needs 32 GB of pinnable host RAM
 One 32 GB pinned table seen with rows of 32 B to 1 KB; for each, random ids at 32 KB,
 256 KB and 1 MB of table per id, sorted (``pos`` un-permutes, as the ``sorted`` strategy
 does), and two requests whose ids cluster (the table's bytes per id says sparse, the ids
-say dense): all ids in the first 1/32 of the table, and a dense head of 60% of the ids with
+are dense): all ids in the first 1/32 of the table, and a dense head of 60% of the ids with
 a sparse tail. Each figure is the median of two rounds of a median of 7 CUDA-event timings
-(ms). ``d``: the default grid; ``b1v8``: the session 10 rule's fixed shape (one block per
-SM, 8-byte vectors, whatever the ids), ``b1v{4,2,1}`` the same with narrower vectors; ``dev{v}``: ``ordered=True`` with the kernel
-judging the ids, sparse vectors of ``v`` bytes; ``torch``: torch's zero-copy
-``index_select``. ``s_*``: scatters of the distinct ids. ``verdict``: whether the kernel
-took the ids as sparse.
+(ms). ``d``: the default grid; ``rule``: ``ordered=True`` (``_kernels.ordered_shape``);
+``b1v{v}``: one block per SM with vectors of at most ``v`` bytes; ``torch``: torch's
+zero-copy ``index_select``; ``s_*``: scatters of the distinct ids.
+
+Session 20's results: ``notebooks/results/h200-sparse-shapes-session20.json``, measured with
+the build of commit 3e23f4a, in which the kernel itself judged the ids' spread and picked a
+sparse shape (its ``dev{v}`` variants; ``verdict``: whether it took the ids as sparse); that
+build was not adopted (DESIGN.md, "Launch shape for sparse ascending requests").
 """
 
 from __future__ import annotations
@@ -57,17 +60,6 @@ def case(table: torch.Tensor, ids: torch.Tensor) -> dict[str, Any]:
     out = torch.empty(n, width, device="cuda")
     src = torch.randn(distinct.numel(), width, device="cuda")
 
-    def with_vector(v: int, fn: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            saved = kernels.SPARSE_VECTORS, kernels.SPARSE_SCATTER_VECTOR
-            kernels.SPARSE_VECTORS, kernels.SPARSE_SCATTER_VECTOR = ((1, v),), v
-            try:
-                fn()
-            finally:
-                kernels.SPARSE_VECTORS, kernels.SPARSE_SCATTER_VECTOR = saved
-
-        return run
-
     def gather(**kw: Any) -> Callable[[], None]:
         return lambda: kernels.launch_gather(table, sorted_ids, out, pos=perm, **kw)
 
@@ -76,28 +68,23 @@ def case(table: torch.Tensor, ids: torch.Tensor) -> dict[str, Any]:
 
     variants: dict[str, Callable[[], None]] = {
         "g_d": gather(),
-        "g_b1v8": gather(blocks_per_sm=1, max_vector=8),
-        "g_b1v4": gather(blocks_per_sm=1, max_vector=4),
-        "g_b1v2": gather(blocks_per_sm=1, max_vector=2),
-        "g_b1v1": gather(blocks_per_sm=1, max_vector=1),
-        **{f"g_dev{v}": with_vector(v, gather(ordered=True)) for v in VECTORS},
+        "g_rule": gather(ordered=True),
+        **{f"g_b1v{v}": gather(blocks_per_sm=1, max_vector=v) for v in VECTORS},
         "g_torch": lambda: torch.index_select(table, 0, sorted_ids, out=out),
         "s_d": scatter(),
+        "s_rule": scatter(ordered=True),
         "s_b1v8u1": scatter(blocks_per_sm=1, max_vector=8, unroll=1),
-        **{f"s_dev{v}": with_vector(v, scatter(ordered=True)) for v in (8, 4, 2)},
     }
     runs: dict[str, list[float]] = {}
     for _ in range(2):
         for name, fn in variants.items():
             runs.setdefault(name, []).append(timed(fn))
-    with_vector(8, gather(ordered=True))()
+    gather(ordered=True)()
     same = torch.equal(out, torch.index_select(table, 0, ids))
-    gap_rows = max(1, kernels.SPARSE_GAP_BYTES // row_bytes)
     return {
+        "rule": list(kernels.ordered_shape(row_bytes, GB << 30, n)),
         "median": {k: round(float(np.median(v)), 3) for k, v in runs.items()},
         "rounds": runs,
-        "verdict": kernels.sparse_verdict(sorted_ids, rows, gap_rows),
-        "host_says_sparse": kernels.ordered_shape(row_bytes, GB << 30, n) > 0,
         "same": same,
         "memcpy_ms_gather": n * row_bytes / 55.3e6,
         "memcpy_ms_scatter": distinct.numel() * row_bytes / 55.3e6,
@@ -121,7 +108,7 @@ def main() -> None:
             key = f"{width * 4}B/gap{gap >> 10}K/{n}"
             results[key] = r = case(table, ids)
             mismatches += not r["same"]
-            print(key, r["verdict"], r["median"], flush=True)
+            print(key, r["rule"], r["median"], flush=True)
         if width in (32, 128):  # 128 B and 512 B rows: clustered ids
             n = 131_072
             torch.manual_seed(width)
@@ -132,7 +119,7 @@ def main() -> None:
                 key = f"{width * 4}B/{name}/{n}"
                 results[key] = r = case(table, ids)
                 mismatches += not r["same"]
-                print(key, r["verdict"], r["median"], flush=True)
+                print(key, r["rule"], r["median"], flush=True)
     print("mismatches:", mismatches, flush=True)
     g.close()
     with open(sys.argv[1], "w") as f:
