@@ -15,8 +15,10 @@ zero-copy ``index_select``; ``s_*``: scatters of the distinct ids.
 
 Session 20's results: ``notebooks/results/h200-sparse-shapes-session20.json``, measured with
 the build of commit 3e23f4a, in which the kernel itself judged the ids' spread and picked a
-sparse shape (its ``dev{v}`` variants; ``verdict``: whether it took the ids as sparse); that
-build was not adopted (DESIGN.md, "Launch shape for sparse ascending requests").
+sparse shape (its ``dev{v}`` variants; ``verdict``: whether it took the ids as sparse;
+``...20a.json`` and ``...20b.json``: two earlier forms of that build, the first in one
+launch whose surplus blocks returned, the second with the sparse shape run inside the wide
+kernel); that build was not adopted (DESIGN.md, "Launch shape for sparse ascending requests").
 """
 
 from __future__ import annotations
