@@ -101,3 +101,37 @@ def test_ordered_launch_shape_narrows_only_sparse_requests(monkeypatch: pytest.M
     assert k._grid(10**9, 0, 1, 1) == 132
     assert k._grid(10**9, 0, 1, None) == 132 * 16
     assert k._grid(300, 0, 1, 1) == 2
+
+
+def test_ordered_launch_keeps_the_default_grid_where_the_shape_cannot_apply(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A launch whose rows or buffers allow only vectors narrower than the sparse shape's
+    (1 or 2 B: slower than the default grid on clustered ids), or whose table is in GPU
+    memory, keeps the default grid; a scatter's sparse shape uses 8-byte vectors; an
+    interleaved group is sized by its whole row."""
+    from gadgetloader.transfer import _kernels as k
+
+    monkeypatch.setattr(k, "in_host_memory", lambda t: True)
+
+    def choice(table: torch.Tensor, out: torch.Tensor, scatter: bool = False) -> tuple:
+        return k._ordered_launch([table], [out], k.group_geometry([table]), 2, scatter=scatter)
+
+    t = torch.zeros(1000, 32)  # 128 B rows, 64 KB of table per id
+    assert choice(t, torch.zeros(2, 32)) == (1, 4)
+    assert choice(t, torch.zeros(2, 32), scatter=True) == (1, 8)
+    t8 = torch.zeros(1000, 33, dtype=torch.uint8)  # 33 B rows: 1-byte vectors only
+    assert choice(t8, torch.zeros(2, 33, dtype=torch.uint8)) == (None, 16)
+    t16 = torch.zeros(1000, 33, dtype=torch.float16)  # 66 B rows: 2-byte vectors only
+    assert choice(t16, torch.zeros(2, 33, dtype=torch.float16)) == (None, 16)
+    tb = torch.zeros(1000, 128, dtype=torch.uint8)
+    assert choice(tb, torch.zeros(2, 128, dtype=torch.uint8)) == (1, 4)
+    odd = torch.zeros(2 * 128 + 1, dtype=torch.uint8)[1:].view(2, 128)  # an odd address
+    assert odd.data_ptr() % 2 == 1
+    assert choice(tb, odd) == (None, 16)
+    wide = torch.zeros(1000, 3, 4)  # three 16 B slots side by side: one 48 B row
+    slots = [wide[:, j] for j in range(3)]
+    outs = [torch.zeros(2, 4) for _ in range(3)]
+    assert k._ordered_launch(slots, outs, k.group_geometry(slots), 2) == (1, 4)
+    monkeypatch.setattr(k, "in_host_memory", lambda t: False)  # GPU memory
+    assert choice(t, torch.zeros(2, 32)) == (None, 16)

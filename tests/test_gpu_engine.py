@@ -222,6 +222,8 @@ def test_a_fresh_thread_launches_without_any_cuda_call_of_its_own() -> None:
         (32, torch.float16),  # 64 B rows
         (33, torch.float32),  # 132 B rows
         (100, torch.uint8),  # 100 B rows: 4-byte vectors
+        (33, torch.uint8),  # 33 B rows: 1-byte vectors only, so the default grid
+        (33, torch.float16),  # 66 B rows: 2-byte vectors only, so the default grid
     ],
 )
 @pytest.mark.parametrize("n_ids", [4, 300, 3000])
@@ -282,11 +284,11 @@ def test_only_host_tables_get_the_sparse_shape() -> None:
     assert _kernels.in_host_memory(host.as_tensor())
     assert not _kernels.in_host_memory(dev)
     geom = _kernels.group_geometry([dev])
-    assert _kernels._ordered_launch(dev, geom, 16) == (None, 16)
-    assert _kernels._ordered_launch(host.as_tensor(), geom, 16) == (1, 8)
+    out = torch.empty(4, 128, device="cuda")
+    assert _kernels._ordered_launch([dev], [out], geom, 16) == (None, 16)
+    assert _kernels._ordered_launch([host.as_tensor()], [out], geom, 16) == (1, 8)
     dev.copy_(torch.randn(1 << 16, 128))
     ids = torch.tensor([3, 900, 40_000, 65_000], device="cuda")
-    out = torch.empty(4, 128, device="cuda")
     _kernels.launch_gather(dev, ids, out, ordered=True)
     assert torch.equal(out, dev[ids])
     host.close()
@@ -321,9 +323,11 @@ def test_ordered_launches_of_clustered_ids_move_the_same_rows(placement: str, wi
     g.close()
 
 
-def test_ordered_launch_of_an_interleaved_group_moves_whole_rows() -> None:
-    """Slots of one interleaved buffer move as one wide row; the sparse shape is sized by it."""
-    rows, width = 40_000, 128  # 3 x 512 B per row: 61 MB
+@pytest.mark.parametrize("width", [128, 4])
+def test_ordered_launch_of_an_interleaved_group_moves_whole_rows(width: int) -> None:
+    """Slots of one interleaved buffer move as one wide row; the sparse shape is sized by it
+    (3 x 512 B, and 3 x 16 B: a 48 B wide row, which takes the narrow-row shape)."""
+    rows = 40_000 if width == 128 else 1_000_000  # 61 MB, 48 MB
     buf = torch.randn(rows, 3, width).pin_memory()
     gpu_view = buf.cuda()  # reference copy
     host = gl.DataGadget(buf.numpy(), placement="pinned")
@@ -332,6 +336,11 @@ def test_ordered_launch_of_an_interleaved_group_moves_whole_rows() -> None:
     assert _kernels.segments_of(tables)
     ids = torch.unique(torch.randint(0, rows, (200,), device="cuda"))
     outs = [torch.empty(ids.numel(), width, device="cuda") for _ in range(3)]
+    geom = _kernels.group_geometry(tables)
+    assert _kernels._ordered_launch(tables, outs, geom, ids.numel()) == (
+        1,
+        8 if width == 128 else 4,
+    )
     _kernels.launch_gather(tables, ids, outs, ordered=True)
     for k in range(3):
         assert torch.equal(outs[k], gpu_view[ids, k])

@@ -323,6 +323,9 @@ MIN_SHAPED_ROW, MAX_SHAPED_ROW = 32, 2048
 #: vector bytes). One block of 256 threads per SM: 2 KiB in flight per SM for rows of
 #: 512 B and wider, 1 KiB for narrower ones.
 SPARSE_VECTORS: tuple[tuple[int, int], ...] = ((512, 8), (32, 4))
+#: vector bytes of a sparse scatter, any row size (the narrow-row scatter shape measured on
+#: the H200 is 8-byte vectors)
+SPARSE_SCATTER_VECTOR = 8
 
 
 def ordered_shape(row_nbytes: int, table_nbytes: int, n_ids: int) -> tuple[int | None, int]:
@@ -343,8 +346,8 @@ def ordered_shape(row_nbytes: int, table_nbytes: int, n_ids: int) -> tuple[int |
     The table's bytes per id is only an estimate of how far apart the ids are (they
     may cluster in part of the table, and their real spread is on the GPU), so the shapes
     are ones that measured close to the default on dense requests too (within 2% on ids
-    packed in 1/32 of a 32 GB table): narrower vectors were faster still on truly sparse
-    requests but 40-60% slower on such clustered ones. (A build in which the kernel judged
+    packed in 1/32 of a 32 GB table): narrower vectors were faster still on sparse
+    requests at 32-256 KB per id but 40-60% slower on such clustered ones. (A build in which the kernel judged
     the ids' spread itself and picked narrower vectors only for sparse ids was slower on
     small sparse requests: DESIGN.md.)
     """
@@ -373,13 +376,15 @@ def in_host_memory(table: torch.Tensor) -> bool:
     key = (ptr, idx)
     known = _host_memory.get(key)
     if known is None:
+        # (cached: host allocations and GPU memory lie in separate ranges of the unified
+        # address space while the driver holds them; a wrong answer would cost speed only)
         try:
             cp = get_cupy("GPU kernels")
             with cp.cuda.Device(idx):
                 kind = int(cp.cuda.runtime.pointerGetAttributes(ptr).type)
-            known = kind == 1  # cudaMemoryTypeHost
         except Exception:  # (an old driver or CuPy without the call: assume host memory)
-            known = True
+            return True
+        known = kind == 1  # cudaMemoryTypeHost
         if len(_host_memory) > 1024:
             _host_memory.clear()
         _host_memory[key] = known
@@ -684,15 +689,28 @@ def _layout(
 
 
 def _ordered_launch(
-    table: torch.Tensor, geom: tuple[int, int, int], n: int
+    tables: list[torch.Tensor],
+    bufs: list[torch.Tensor],
+    geom: tuple[int, int, int],
+    n: int,
+    *,
+    scatter: bool = False,
 ) -> tuple[int | None, int]:
-    """:func:`ordered_shape` for a launch group (an interleaved group moves whole wide rows);
-    the default grid for a table in GPU memory."""
+    """(blocks per SM, widest vector) of a launch whose ids ascend: :func:`ordered_shape`
+    for the group's whole row (an interleaved group moves whole wide rows), with
+    :data:`SPARSE_SCATTER_VECTOR` for a scatter; the default grid for a table in GPU
+    memory, and where the rows' size or the buffers' alignment allow only narrower vectors
+    than the shape's (1 x 256 x 1 or 2 B was up to 2.6x slower than the default grid on
+    clustered ids: DESIGN.md)."""
     row_nbytes, pitch, segs = geom
-    shape = ordered_shape(row_nbytes * segs, table.shape[0] * pitch, n)
-    if shape[0] is not None and not in_host_memory(table):
+    blocks, vector = ordered_shape(row_nbytes * segs, tables[0].shape[0] * pitch, n)
+    if blocks is None:
         return None, 16
-    return shape
+    if scatter:
+        vector = SPARSE_SCATTER_VECTOR
+    if _layout(tables, bufs, geom, vector)[0] < vector or not in_host_memory(tables[0]):
+        return None, 16
+    return blocks, vector
 
 
 def launch_gather(
@@ -732,7 +750,7 @@ def launch_gather(
         return
     device = outs[0].device
     if ordered and blocks_per_sm is None and max_vector >= 16:
-        blocks_per_sm, max_vector = _ordered_launch(tables[0], geom, n)
+        blocks_per_sm, max_vector = _ordered_launch(tables, outs, geom, n)
     w, vpr, pitch, segs, gy = _layout(tables, outs, geom, max_vector)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     _launch(
@@ -849,7 +867,7 @@ def launch_scatter(
         return
     device = srcs[0].device
     if ordered and blocks_per_sm is None and max_vector >= 16:
-        blocks_per_sm, max_vector = _ordered_launch(tables[0], geom, n)
+        blocks_per_sm, max_vector = _ordered_launch(tables, srcs, geom, n, scatter=True)
         if unroll is None and blocks_per_sm is not None:
             unroll = 1
     if unroll is None:
