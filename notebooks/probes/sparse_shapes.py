@@ -18,7 +18,8 @@ the build of commit 3e23f4a, in which the kernel itself judged the ids' spread a
 sparse shape (its ``dev{v}`` variants; ``verdict``: whether it took the ids as sparse;
 ``...20a.json`` and ``...20b.json``: two earlier forms of that build, the first in one
 launch whose surplus blocks returned, the second with the sparse shape run inside the wide
-kernel); that build was not adopted (DESIGN.md, "Launch shape for sparse ascending requests").
+kernel); that build was not adopted. ``...20c.json``: this probe with the adopted build, commit
+259c5cb (DESIGN.md, "Launch shape for sparse ascending requests").
 """
 
 from __future__ import annotations
