@@ -73,9 +73,9 @@ def test_small_tables_fuse_and_huge_ones_go_one_by_one() -> None:
 
 def test_ordered_launch_shape_narrows_only_sparse_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ascending requests: dense ones (up to 16 KB of table per id) keep the default grid;
-    sparse ones with rows of 512 B up to 2 KB get one block per SM with 8-byte vectors,
-    rows of 32 B up to 512 B one block per SM with 4-byte vectors; narrower and wider rows
-    keep the default."""
+    sparse ones with rows of 512 B up to 2 KB get one block per SM with 8-byte vectors;
+    rows of 32 B up to 512 B the in-order launch up to 128 KB of table per id and one
+    block per SM with 4-byte vectors above; narrower and wider rows keep the default."""
     from gadgetloader.transfer import _kernels as k
 
     table = 32 << 30
@@ -84,14 +84,17 @@ def test_ordered_launch_shape_narrows_only_sparse_requests(monkeypatch: pytest.M
         assert shape(row, table, table // (8 << 10)) == (None, 16)  # 8 KB per id: dense
         assert shape(row, table, table // k.SPARSE_GAP_BYTES) == (None, 16)
     assert shape(512, table, 0) == (None, 16)
-    for gap in (32 << 10, 256 << 10, 1 << 20):
+    for gap in (17 << 10, 32 << 10, 128 << 10, 129 << 10, 256 << 10, 1 << 20):
         n = table // gap
         assert shape(512, table, n) == (1, 8)  # 256 threads x 8 B = 4 rows of 512 B per SM
         assert shape(1536, table, n) == (1, 8)
         assert shape(2047, table, n) == (1, 8)
-        assert shape(511, table, n) == (1, 4)  # 256 threads x 4 B: 1 KiB per SM
-        assert shape(128, table, n) == (1, 4)
-        assert shape(32, table, n) == (1, 4)
+        # under 512 B: one warp per row in id order up to 128 KB per id, then
+        # 256 threads x 4 B (1 KiB per SM)
+        narrow = (k.IN_ORDER, 16) if gap <= k.IN_ORDER_GAP_BYTES else (1, 4)
+        assert shape(511, table, n) == narrow
+        assert shape(128, table, n) == narrow
+        assert shape(32, table, n) == narrow
         assert shape(31, table, n) == (None, 16)  # narrower rows: the default
         assert shape(2048, table, n) == (None, 16)  # 2 KB and wider gained nothing
         assert shape(4096, table, n) == (None, 16)
@@ -118,20 +121,45 @@ def test_ordered_launch_keeps_the_default_grid_where_the_shape_cannot_apply(
         return k._ordered_launch([table], [out], k.group_geometry([table]), 2, scatter=scatter)
 
     t = torch.zeros(1000, 32)  # 128 B rows, 64 KB of table per id
+    assert choice(t, torch.zeros(2, 32)) == (k.IN_ORDER, 16)
+    assert choice(t, torch.zeros(2, 32), scatter=True) == (1, 8)  # no in-order scatter
+    t = torch.zeros(3000, 32)  # 192 KB per id: one block per SM
     assert choice(t, torch.zeros(2, 32)) == (1, 4)
     assert choice(t, torch.zeros(2, 32), scatter=True) == (1, 8)
     t8 = torch.zeros(1000, 33, dtype=torch.uint8)  # 33 B rows: 1-byte vectors only
     assert choice(t8, torch.zeros(2, 33, dtype=torch.uint8)) == (None, 16)
     t16 = torch.zeros(1000, 33, dtype=torch.float16)  # 66 B rows: 2-byte vectors only
     assert choice(t16, torch.zeros(2, 33, dtype=torch.float16)) == (None, 16)
+    t4 = torch.zeros(1000, 25)  # 100 B rows: 4-byte vectors, enough for in-order
+    assert choice(t4, torch.zeros(2, 25)) == (k.IN_ORDER, 16)
     tb = torch.zeros(1000, 128, dtype=torch.uint8)
-    assert choice(tb, torch.zeros(2, 128, dtype=torch.uint8)) == (1, 4)
+    assert choice(tb, torch.zeros(2, 128, dtype=torch.uint8)) == (k.IN_ORDER, 16)
     odd = torch.zeros(2 * 128 + 1, dtype=torch.uint8)[1:].view(2, 128)  # an odd address
     assert odd.data_ptr() % 2 == 1
+    assert choice(tb, odd) == (None, 16)
+    tb = torch.zeros(3000, 128, dtype=torch.uint8)
     assert choice(tb, odd) == (None, 16)
     wide = torch.zeros(1000, 3, 4)  # three 16 B slots side by side: one 48 B row
     slots = [wide[:, j] for j in range(3)]
     outs = [torch.zeros(2, 4) for _ in range(3)]
-    assert k._ordered_launch(slots, outs, k.group_geometry(slots), 2) == (1, 4)
+    assert k._ordered_launch(slots, outs, k.group_geometry(slots), 2) == (k.IN_ORDER, 16)
+    wide = torch.zeros(3000, 3, 4)  # 3000 48 B rows: 72 KB per id for 2 ids, 144 KB for 1
+    slots = [wide[:, j] for j in range(3)]
+    assert k._ordered_launch(slots, outs, k.group_geometry(slots), 2) == (k.IN_ORDER, 16)
+    assert k._ordered_launch(slots, outs, k.group_geometry(slots), 1) == (1, 4)  # 144 KB
     monkeypatch.setattr(k, "in_host_memory", lambda t: False)  # GPU memory
     assert choice(t, torch.zeros(2, 32)) == (None, 16)
+    assert choice(torch.zeros(1000, 32), torch.zeros(2, 32)) == (None, 16)
+
+
+def test_in_order_launch_arguments_are_checked() -> None:
+    """The in-order launch is a gather's, with 1..32 rows a block: anything else is refused
+    before a launch."""
+    from gadgetloader.transfer import _kernels as k
+
+    table, ids = torch.zeros(100, 8), torch.zeros(4, dtype=torch.int64)
+    for bad in (0, 33, -1):
+        with pytest.raises(ValueError, match="1..32 rows a block"):
+            k.launch_gather(table, ids, torch.zeros(4, 8), rows_per_block=bad)
+    with pytest.raises(ValueError, match="in-order launch is a gather's"):
+        k.launch_scatter(table, ids, torch.zeros(4, 8), blocks_per_sm=k.IN_ORDER)

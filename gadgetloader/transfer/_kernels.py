@@ -39,6 +39,7 @@ import torch
 from .._device import cupy_stream, get_cupy
 
 __all__ = [
+    "IN_ORDER",
     "MAX_TABLES",
     "FusedLauncher",
     "SCATTER_ALL",
@@ -136,6 +137,29 @@ __device__ __forceinline__ void gather_rows(const GatherArgs& a)
     }
 }
 
+// One warp per row and a block per few consecutive rows, each block running once: the GPU
+// starts blocks in order as earlier ones finish, so the rows in flight stay the lowest ids
+// not yet moved, a tight window of ascending ids (their host pages' translations) where a
+// grid-stride loop's warps drift apart. Lane l moves vectors l, l + 32, ... of its row.
+template <typename V>
+__device__ __forceinline__ void gather_rows_in_order(const GatherArgs& a)
+{
+    const long long j = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (j >= a.n) return;
+    const int y = blockIdx.y;
+    const V* __restrict__ src = (const V*)a.table[y];
+    const long long span = a.vpr * a.segs;
+    const long long valid = a.count ? min(max(*a.count, 0LL), a.n) : a.n;
+    const long long r = j < valid ? a.ids[j] : -1;  // rows past the count: zeros
+    const bool inside = r >= 0 && r < a.n_rows;      // never read outside
+    const long long o = (a.pos ? a.pos[j] : j) * a.vpr;
+    for (long long cc = threadIdx.x & 31; cc < span; cc += 32) {
+        long long s = 0, c = cc;
+        if (a.segs > 1) divmod(cc, a.vpr, true, s, c);
+        ((V*)a.out[y + s])[o + c] = inside ? src[r * a.pitch + cc] : V();
+    }
+}
+
 template <typename V>
 __device__ __forceinline__ void scatter_rows(const ScatterArgs& a)
 {
@@ -179,6 +203,8 @@ __device__ __forceinline__ void scatter_rows(const ScatterArgs& a)
 // from Python (the launch's CPU cost bounds small transfers).
 #define GL_DEFINE(SUFFIX, V)                                                         \
 extern "C" __global__ void gl_gather_##SUFFIX(const GatherArgs a) { gather_rows<V>(a); } \
+extern "C" __global__ void gl_gather_rows_##SUFFIX(const GatherArgs a)                   \
+{ gather_rows_in_order<V>(a); }                                                          \
 extern "C" __global__ void gl_scatter_##SUFFIX(const ScatterArgs a) { scatter_rows<V>(a); }
 
 // The gradient of a lookup ``rows[local]`` for a plan sized on the GPU: row r of ``out`` sums
@@ -326,30 +352,51 @@ SPARSE_VECTORS: tuple[tuple[int, int], ...] = ((512, 8), (32, 4))
 #: vector bytes of a sparse scatter, any row size (the narrow-row scatter shape measured on
 #: the H200 is 8-byte vectors)
 SPARSE_SCATTER_VECTOR = 8
+#: ``blocks_per_sm`` value of the in-order launch: a block of one warp per row, blocks
+#: started in id order (``gl_gather_rows_*``), which keeps the rows in flight a tight window
+#: of the ascending ids
+IN_ORDER = 0
+#: rows narrower than :data:`IN_ORDER_MAX_ROW` bytes of an ascending gather with more than
+#: :data:`SPARSE_GAP_BYTES` and at most this many bytes of table per id take the in-order
+#: launch (H200, DESIGN.md: 8-37% faster than one block per SM at 32-128 KB per id; slower
+#: at 256 KB and above)
+IN_ORDER_GAP_BYTES = 128 << 10
+IN_ORDER_MAX_ROW = 512
+#: the in-order launch needs vectors at least this wide (narrower ones: the default grid)
+IN_ORDER_MIN_VECTOR = 4
 
 
 def ordered_shape(row_nbytes: int, table_nbytes: int, n_ids: int) -> tuple[int | None, int]:
-    """(blocks per SM, or None for the default grid; widest vector in bytes) for a launch
-    whose ``n_ids`` ids ascend through a table of ``table_nbytes`` in host memory.
+    """(blocks per SM, or None for the default grid, or :data:`IN_ORDER`; widest vector in
+    bytes) for a launch whose ``n_ids`` ids ascend through a table of ``table_nbytes`` in
+    host memory.
 
     The default grid (16 blocks of 256 threads per SM, 16-byte vectors) keeps ~8 MB of
     loads in flight, which dense requests need to fill the link. A sparse request is
-    bound by the GPU's translations of host pages instead, which it serves faster with
-    fewer rows in flight; so rows of :data:`MIN_SHAPED_ROW` up to :data:`MAX_SHAPED_ROW`
-    bytes from a table with more than :data:`SPARSE_GAP_BYTES` per id get one block per
-    SM, with the vectors of :data:`SPARSE_VECTORS` (8 bytes for rows of 512 B and wider,
-    4 below). H200 (DESIGN.md, "Launch shape for sparse ascending requests"): gathers of
-    131,072 sorted 512 B ids from 4-64 GB tables 9-18% faster than with the default grid
-    (1M ids on 64 GB: 25%); 128-256 B rows from a 32 GB table 6-19% faster at 32-256 KB of
-    table per id and 4-6x at 1 MB; 2-4 KB rows gained nothing.
+    bound by the GPU's translations of host pages instead, so rows of
+    :data:`MIN_SHAPED_ROW` up to :data:`MAX_SHAPED_ROW` bytes from a table with more than
+    :data:`SPARSE_GAP_BYTES` per id get another shape:
+
+    * rows under :data:`IN_ORDER_MAX_ROW` bytes with at most :data:`IN_ORDER_GAP_BYTES` of
+      table per id: :data:`IN_ORDER`, a block of one warp per row, the blocks started in id
+      order (the shape of torch's own ``index_select`` kernel). H200, 32 GB table: 32-128 B
+      rows at 32-128 KB per id 5.2 -> 4.9 to 15.4 -> 11.0 ms against one block per SM
+      (DESIGN.md, "In-order launches");
+    * other rows under 512 B: one block per SM with 4-byte vectors (128-256 B rows 6-19%
+      faster than the default grid at 32-256 KB per id, 4-6x at 1 MB per id, where the
+      in-order launch was 6x slower);
+    * rows of 512 B up to 2 KB: one block per SM with 8-byte vectors. Gathers of 131,072
+      sorted 512 B ids from 4-64 GB tables 9-18% faster than with the default grid (1M ids
+      on 64 GB: 25%); 2-4 KB rows gained nothing.
 
     The table's bytes per id is only an estimate of how far apart the ids are (they
     may cluster in part of the table, and their real spread is on the GPU), so the shapes
     are ones that measured close to the default on dense requests too (within 2% on ids
-    packed in 1/32 of a 32 GB table): narrower vectors were faster still on sparse
-    requests at 32-256 KB per id but 40-60% slower on such clustered ones. (A build in which the kernel judged
-    the ids' spread itself and picked narrower vectors only for sparse ids was slower on
-    small sparse requests: DESIGN.md.)
+    packed in 1/32 of a 32 GB table), and at least as fast on a dense head with a sparse
+    tail for the rows they are given to: narrower vectors were faster still on sparse
+    requests at 256 KB per id but 40-60% slower on clustered ones, and the in-order launch
+    of 512 B rows 21% slower on a dense head with a sparse tail. (A build in which the
+    kernel judged the ids' spread itself was slower on small sparse requests: DESIGN.md.)
     """
     if (
         n_ids <= 0
@@ -357,6 +404,8 @@ def ordered_shape(row_nbytes: int, table_nbytes: int, n_ids: int) -> tuple[int |
         or table_nbytes // n_ids <= SPARSE_GAP_BYTES
     ):
         return None, 16
+    if row_nbytes < IN_ORDER_MAX_ROW and table_nbytes // n_ids <= IN_ORDER_GAP_BYTES:
+        return IN_ORDER, 16
     for smallest, vector in SPARSE_VECTORS:
         if row_nbytes >= smallest:
             return 1, vector
@@ -696,21 +745,32 @@ def _ordered_launch(
     *,
     scatter: bool = False,
 ) -> tuple[int | None, int]:
-    """(blocks per SM, widest vector) of a launch whose ids ascend: :func:`ordered_shape`
-    for the group's whole row (an interleaved group moves whole wide rows), with
-    :data:`SPARSE_SCATTER_VECTOR` for a scatter; the default grid for a table in GPU
-    memory, and where the rows' size or the buffers' alignment allow only narrower vectors
-    than the shape's (1 x 256 x 1 or 2 B was up to 2.6x slower than the default grid on
-    clustered ids: DESIGN.md)."""
+    """(blocks per SM or :data:`IN_ORDER`, widest vector) of a launch whose ids ascend:
+    :func:`ordered_shape` for the group's whole row (an interleaved group moves whole wide
+    rows), with one block per SM and :data:`SPARSE_SCATTER_VECTOR` for a sparse scatter
+    (the in-order launch is a gather's); the default grid for a table in GPU memory, and
+    where the rows' size or the buffers' alignment allow only narrower vectors than the
+    shape's (1 x 256 x 1 or 2 B was up to 2.6x slower than the default grid on clustered
+    ids: DESIGN.md) or, for the in-order launch, narrower than
+    :data:`IN_ORDER_MIN_VECTOR`."""
     row_nbytes, pitch, segs = geom
     blocks, vector = ordered_shape(row_nbytes * segs, tables[0].shape[0] * pitch, n)
     if blocks is None:
         return None, 16
     if scatter:
-        vector = SPARSE_SCATTER_VECTOR
-    if _layout(tables, bufs, geom, vector)[0] < vector or not in_host_memory(tables[0]):
+        blocks, vector = 1, SPARSE_SCATTER_VECTOR
+    need = IN_ORDER_MIN_VECTOR if blocks == IN_ORDER else vector
+    if (
+        _layout(tables, bufs, geom, vector)[0] < need
+        or (blocks == IN_ORDER and n > _MAX_GRID_X)
+        or not in_host_memory(tables[0])
+    ):
         return None, 16
     return blocks, vector
+
+
+#: the most blocks a launch's grid may have along x (CUDA's limit)
+_MAX_GRID_X = (1 << 31) - 1
 
 
 def launch_gather(
@@ -724,6 +784,7 @@ def launch_gather(
     count: torch.Tensor | None = None,
     ordered: bool = False,
     blocks_per_sm: int | None = None,
+    rows_per_block: int | None = None,
 ) -> None:
     """``out[pos[j]] = table[ids[j]]`` (``out[j]`` when ``pos`` is None) for every ``j``.
 
@@ -732,7 +793,9 @@ def launch_gather(
 
     ``ordered=True`` says the ids ascend: the launch shape then follows
     :func:`ordered_shape` unless ``blocks_per_sm`` or a narrower ``max_vector`` is given.
-    Any shape gives the same result.
+    ``blocks_per_sm``: blocks of the grid-stride kernel per SM, or :data:`IN_ORDER` for
+    one block per row (``rows_per_block`` rows a block, one warp each: the in-order
+    launch). Any shape gives the same result.
 
     ``table`` and ``out`` may be lists (up to :data:`MAX_TABLES`, same row count and
     row size): the same ids are gathered from every table in one launch. An id
@@ -751,11 +814,25 @@ def launch_gather(
     device = outs[0].device
     if ordered and blocks_per_sm is None and max_vector >= 16:
         blocks_per_sm, max_vector = _ordered_launch(tables, outs, geom, n)
+    in_order = blocks_per_sm == IN_ORDER or rows_per_block is not None
+    per_block = 1 if rows_per_block is None else rows_per_block
+    if in_order and (not 1 <= per_block <= 32 or -(-n // per_block) > _MAX_GRID_X):
+        raise ValueError(
+            f"an in-order launch takes 1..32 rows a block and at most {_MAX_GRID_X} "
+            f"blocks; got {per_block} rows a block for {n} ids"
+        )
     w, vpr, pitch, segs, gy = _layout(tables, outs, geom, max_vector)
     idx = device.index if device.index is not None else torch.cuda.current_device()
+    block = BLOCK
+    if in_order:
+        grid = -(-n // per_block)
+        kernel, block = _function(idx, UNROLL, f"gl_gather_rows_{w}"), 32 * per_block
+    else:
+        grid = _grid(n * vpr * segs, idx, unroll, blocks_per_sm)
+        kernel = _function(idx, unroll, f"gl_gather_{w}")
     _launch(
-        _function(idx, unroll, f"gl_gather_{w}"),
-        (_grid(n * vpr * segs, idx, unroll, blocks_per_sm), gy),
+        kernel,
+        (grid, gy),
         [
             *_pointer_args(tables),
             *_pointer_args(outs),
@@ -770,6 +847,7 @@ def launch_gather(
         ],
         _GATHER_ARGS,
         device,
+        block,
     )
 
 
@@ -866,6 +944,11 @@ def launch_scatter(
     if n == 0 or geom[0] == 0:
         return
     device = srcs[0].device
+    if blocks_per_sm is not None and blocks_per_sm < 1:
+        raise ValueError(
+            f"a scatter takes blocks_per_sm >= 1 (the in-order launch is a gather's); got "
+            f"{blocks_per_sm}"
+        )
     if ordered and blocks_per_sm is None and max_vector >= 16:
         blocks_per_sm, max_vector = _ordered_launch(tables, srcs, geom, n, scatter=True)
         if unroll is None and blocks_per_sm is not None:
