@@ -14,6 +14,8 @@ Design (see ``DESIGN.md``):
 * Every row id is checked against the table's row count inside the kernel as a
   last line of defence: a kernel never reads or writes outside a table, even if a
   caller skipped the host-side check (which raises before any launch).
+* Sorted gathers of narrow rows from sparse parts of a huge host table run one warp per
+  row in blocks started in id order (:data:`IN_ORDER`, see :func:`ordered_shape`).
 * ``pos`` lets a gather visit ids in sorted order while writing each row to its
   original output position. A scatter of stably sorted ids writes only the last
   entry of each run of equal ids (its last occurrence), tested in the kernel by

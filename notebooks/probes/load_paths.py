@@ -23,7 +23,25 @@ Also timed: torch's ``index_select`` of the unsorted ids and the row kernel on u
 (the ``kernel`` strategy). One 32 GB pinned table seen with 32 B, 128 B and 512 B rows;
 random ids at 256 KB and 32 KB of table per id (131,072 and 1,048,576 ids). Each figure is
 the median of two rounds of a median of 7 CUDA-event timings (ms); ``ptx`` counts the
-read-only (``ld.global.nc``) loads in each build's gather kernels.
+read-only (``ld.global.nc``) loads in each build's gather kernels. Results:
+``notebooks/results/h200-load-paths-session21.json``.
+
+Further modes (second argument), each a later step of the same session:
+
+* ``blocks``: the grid-stride kernel with blocks of 128-512 threads, and the kernels torch's
+  ``index_select`` launches, from its profiler trace (``...-blocks-session21.json``: torch
+  2.11 runs ``vectorized_gather_kernel<16>``, one block of 32 threads per id);
+* ``warp``: the in-order launch (``r{rows per block}v{vector}``, ``launch_gather``'s
+  ``rows_per_block``) against the rule, the default grid and torch, over rows of 32 B to
+  1 KB, 32 KB to 1 MB of table per id, clustered and dense ids, and unsorted ids
+  (``...-rows-session21.json``; run before the rule took the in-order launch, and
+  ``...-warp-session21.json``, lost, timed a persistent one-warp-per-row kernel since
+  removed: its figures are in ``h200-run-session21.log``);
+* ``gaps``: the in-order launch against one block per SM (``b1v4``, ``b1v8``) and torch at
+  32 KB to 1 MB of table per id, and 1M ids with a dense head (``...-gaps-session21.json``
+  before the rule took it, ``...-rule-session21.json`` after: its ``rule`` column is the
+  adopted ``ordered_shape``); a third argument sets the table's GB
+  (``...-rule16-session21.json``: a 16 GB table).
 """
 
 from __future__ import annotations
@@ -375,21 +393,21 @@ def gap_case(table: torch.Tensor, ids: torch.Tensor) -> dict[str, Any]:
     }
 
 
-def gaps_main(path: str) -> None:
+def gaps_main(path: str, gb: int = GB) -> None:
     start = time.time()
     results: dict[str, Any] = {}
-    g = gl.DataGadget(((GB << 30) // 4,), dtype="float32", placement="pinned")
+    g = gl.DataGadget(((gb << 30) // 4,), dtype="float32", placement="pinned")
     flat = g.as_tensor()
-    print(f"{GB} GB ready in {time.time() - start:.1f}s", flush=True)
+    print(f"{gb} GB ready in {time.time() - start:.1f}s", flush=True)
     for width in (8, 32, 128):
         table = flat.view(-1, width)
         rows = table.shape[0]
         for gap in (32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20):
             torch.manual_seed(width + gap)
-            n = (GB << 30) // gap
+            n = (gb << 30) // gap
             key = f"{width * 4}B/gap{gap >> 10}K/{n}"
             results[key] = r = gap_case(table, torch.randint(0, rows, (n,), device="cuda"))
-            r["rule_shape"] = list(kernels.ordered_shape(width * 4, GB << 30, n))
+            r["rule_shape"] = list(kernels.ordered_shape(width * 4, gb << 30, n))
             print(key, r["wrong"], r["median"], flush=True)
         if width != 8:
             # 1M ids (32 KB of table per id) of which 60% in the table's first 1/512
@@ -408,7 +426,7 @@ def gaps_main(path: str) -> None:
 def main() -> None:
     start = time.time()
     if len(sys.argv) > 2 and sys.argv[2] == "gaps":
-        gaps_main(sys.argv[1])
+        gaps_main(sys.argv[1], int(sys.argv[3]) if len(sys.argv) > 3 else GB)
         return
     if len(sys.argv) > 2 and sys.argv[2] == "warp":
         warp_main(sys.argv[1])
