@@ -382,8 +382,9 @@ def ordered_shape(row_nbytes: int, table_nbytes: int, n_ids: int) -> tuple[int |
     * rows under :data:`IN_ORDER_MAX_ROW` bytes with at most :data:`IN_ORDER_GAP_BYTES` of
       table per id: :data:`IN_ORDER`, a block of one warp per row, the blocks started in id
       order (the shape of torch's own ``index_select`` kernel). H200, 32 GB table: 32-128 B
-      rows at 32-128 KB per id 5.2 -> 4.9 to 15.4 -> 11.0 ms against one block per SM
-      (DESIGN.md, "In-order launches");
+      rows at 32-128 KB per id 5.2 -> 4.9 to 15.4 -> 11.0 ms against one block per SM;
+      16 GB table with the GPU's L2 cache flushed before each call, 22-29% faster at
+      64-128 KB per id (DESIGN.md, "In-order launches");
     * other rows under 512 B: one block per SM with 4-byte vectors (128-256 B rows 6-19%
       faster than the default grid at 32-256 KB per id, 4-6x at 1 MB per id, where the
       in-order launch was 6x slower);

@@ -41,7 +41,11 @@ Further modes (second argument), each a later step of the same session:
   32 KB to 1 MB of table per id, and 1M ids with a dense head (``...-gaps-session21.json``
   before the rule took it, ``...-rule-session21.json`` after: its ``rule`` column is the
   adopted ``ordered_shape``); a third argument sets the table's GB
-  (``...-rule16-session21.json``: a 16 GB table).
+  (``...-rule16-session21.json``: a 16 GB table);
+* ``flush``: on a 16 GB table, each call timed repeated on the same ids (*warm*) and with the
+  GPU's L2 cache flushed before it (*cold*), for the rule, one block per SM, the in-order
+  launch (also with the table read through ``__ldg``) and torch (``...-flush-session21.json``:
+  cold, torch and the in-order launch take the same time).
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ SOURCES = {
     "cg": kernels._SOURCE.replace(
         LOAD, LOAD.replace("src[r * a.pitch + cc]", "__ldcg(src + r * a.pitch + cc)")
     ),
+    "ldg": kernels._SOURCE.replace("src[r * a.pitch + cc]", "__ldg(src + r * a.pitch + cc)"),
     "cs": kernels._SOURCE.replace(
         LOAD, LOAD.replace("src[r * a.pitch + cc]", "__ldcs(src + r * a.pitch + cc)")
     ),
@@ -115,11 +120,16 @@ def use(name: str) -> None:
     kernels._functions.clear()
 
 
-def timed(fn: Callable[[], object], reps: int = 7) -> float:
+def timed(fn: Callable[[], object], reps: int = 7, scratch: torch.Tensor | None = None) -> float:
+    """Median of ``reps`` CUDA-event timings of ``fn`` (ms), after one untimed call; with
+    ``scratch``, the GPU's L2 cache is flushed (a write of ``scratch``) before each timed
+    call, so no row read by an earlier call is still cached."""
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if scratch is not None:
+            scratch.add_(1)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -423,8 +433,72 @@ def gaps_main(path: str, gb: int = GB) -> None:
         json.dump(results, f, indent=1)
 
 
+def flush_main(path: str, gb: int = 16) -> None:
+    """Warm (repeated calls, rows possibly still in L2) against cold (L2 flushed) timings of
+    the rule, one block per SM, the in-order launch with plain and ``__ldg`` loads, and
+    torch, where torch was faster than the in-order launch."""
+    start = time.time()
+    results: dict[str, Any] = {}
+    g = gl.DataGadget(((gb << 30) // 4,), dtype="float32", placement="pinned")
+    flat = g.as_tensor()
+    scratch = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")  # 5x the L2
+    print(f"{gb} GB ready in {time.time() - start:.1f}s", flush=True)
+    for width, gap in (
+        (8, 64 << 10),
+        (8, 128 << 10),
+        (32, 128 << 10),
+        (32, 256 << 10),
+        (128, 128 << 10),
+    ):
+        table = flat.view(-1, width)
+        n = (gb << 30) // gap
+        torch.manual_seed(width + gap)
+        ids = torch.randint(0, table.shape[0], (n,), device="cuda")
+        table.index_copy_(0, ids, torch.randn(n, width, device="cuda"))
+        sorted_ids, perm = torch.sort(ids)
+        out = torch.empty(n, width, device="cuda")
+        want = torch.index_select(table, 0, ids)
+        lg = kernels.launch_gather
+        plans = {
+            "rule": ("base", functools.partial(lg, table, sorted_ids, out, pos=perm, ordered=True)),
+            "b1v4": ("base", functools.partial(lg, table, sorted_ids, out, pos=perm, blocks_per_sm=1, max_vector=4)),
+            "r1v16": ("base", functools.partial(lg, table, sorted_ids, out, pos=perm, rows_per_block=1)),
+            "ldg_r1v16": ("ldg", functools.partial(lg, table, sorted_ids, out, pos=perm, rows_per_block=1)),
+            "ldg_b1v4": ("ldg", functools.partial(lg, table, sorted_ids, out, pos=perm, blocks_per_sm=1, max_vector=4)),
+            "torch_sorted": ("base", functools.partial(torch.index_select, table, 0, sorted_ids, out=out)),
+        }  # fmt: skip
+        med: dict[str, list[float]] = {}
+        wrong = []
+        for _ in range(2):
+            for build in ("base", "ldg"):
+                use(build)
+                for name, (b, fn) in plans.items():
+                    if b != build:
+                        continue
+                    for mode, timer in (
+                        ("warm", timed),
+                        ("cold", functools.partial(timed, scratch=scratch)),
+                    ):
+                        med.setdefault(f"{name}/{mode}", []).append(timer(fn))
+                    if name != "torch_sorted" and not torch.equal(out, want):
+                        wrong.append(name)
+        use("base")
+        key = f"{width * 4}B/gap{gap >> 10}K/{n}"
+        results[key] = r = {
+            "median": {k: round(float(np.median(v)), 3) for k, v in med.items()},
+            "wrong": sorted(set(wrong)),
+        }
+        print(key, r, flush=True)
+    g.close()
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+
+
 def main() -> None:
     start = time.time()
+    if len(sys.argv) > 2 and sys.argv[2] == "flush":
+        flush_main(sys.argv[1])
+        return
     if len(sys.argv) > 2 and sys.argv[2] == "gaps":
         gaps_main(sys.argv[1], int(sys.argv[3]) if len(sys.argv) > 3 else GB)
         return
