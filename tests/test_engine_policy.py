@@ -163,3 +163,21 @@ def test_in_order_launch_arguments_are_checked() -> None:
             k.launch_gather(table, ids, torch.zeros(4, 8), rows_per_block=bad)
     with pytest.raises(ValueError, match="in-order launch is a gather's"):
         k.launch_scatter(table, ids, torch.zeros(4, 8), blocks_per_sm=k.IN_ORDER)
+    with pytest.raises(ValueError, match="blocks_per_sm >= 0"):
+        k.launch_gather(table, ids, torch.zeros(4, 8), blocks_per_sm=-1)
+
+
+def test_in_order_launch_needs_a_grid_within_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More ids than a grid may have blocks: the rule keeps the default grid, and an explicit
+    in-order launch is refused."""
+    from gadgetloader.transfer import _kernels as k
+
+    monkeypatch.setattr(k, "in_host_memory", lambda t: True)
+    table = torch.zeros(1000, 32)  # 128 B rows, 64 KB of table per id for 2 ids
+    geom = k.group_geometry([table])
+    assert k._ordered_launch([table], [torch.zeros(2, 32)], geom, 2) == (k.IN_ORDER, 16)
+    monkeypatch.setattr(k, "_MAX_GRID_X", 1)
+    assert k._ordered_launch([table], [torch.zeros(2, 32)], geom, 2) == (None, 16)
+    ids = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="at most 1 blocks"):
+        k.launch_gather(table, ids, torch.zeros(2, 32), blocks_per_sm=k.IN_ORDER)

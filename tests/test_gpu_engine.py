@@ -342,7 +342,8 @@ def test_in_order_launch_moves_the_same_rows(
 
 def test_in_order_launch_through_the_sorted_strategy() -> None:
     """A pinned table whose sparse requests of narrow rows take the in-order launch (64 KB of
-    table per id), through the engine's ``sorted`` strategy and a fused gather."""
+    table per id), through the engine's ``sorted`` strategy, a fused gather of two tables
+    and a plan's ascending ids with a device-side count."""
     rows, width = 1 << 20, 32  # 128 MiB of 128 B rows
     src = torch.randn(rows, width)
     g = gl.DataGadget(src, placement="pinned", strategy="sorted")
@@ -353,7 +354,21 @@ def test_in_order_launch_through_the_sorted_strategy() -> None:
     ) == (_kernels.IN_ORDER, 16)  # fmt: skip
     assert torch.equal(g.getData(ids.cuda()).cpu(), src[ids])
     assert torch.equal(g.getData(ids).cpu(), src[ids])
+    from gadgetloader.transfer import _engine
+
+    other = gl.DataGadget(-src, placement="pinned")
+    got = _engine.gather_many([g.as_tensor(), other.as_tensor()], ids.cuda(), strategy="sorted")
+    assert torch.equal(got[0].cpu(), src[ids]) and torch.equal(got[1].cpu(), -src[ids])
+    u = torch.unique(ids).cuda()
+    count = torch.tensor([u.numel() - 5], device="cuda")
+    got = _engine.gather_many(
+        [g.as_tensor(), other.as_tensor()], u, strategy="sorted", ids_sorted=True, count=count
+    )
+    k = u.numel() - 5
+    assert torch.equal(got[1][:k].cpu(), -src[u[:k].cpu()])
+    assert not got[0][k:].any() and not got[1][k:].any()
     g.close()
+    other.close()
 
 
 def test_only_host_tables_get_the_sparse_shape() -> None:

@@ -157,7 +157,7 @@ __device__ __forceinline__ void gather_rows_in_order(const GatherArgs& a)
     const long long o = (a.pos ? a.pos[j] : j) * a.vpr;
     for (long long cc = threadIdx.x & 31; cc < span; cc += 32) {
         long long s = 0, c = cc;
-        if (a.segs > 1) divmod(cc, a.vpr, true, s, c);
+        if (a.segs > 1) divmod(cc, a.vpr, span < 4294967296LL, s, c);
         ((V*)a.out[y + s])[o + c] = inside ? src[r * a.pitch + cc] : V();
     }
 }
@@ -360,8 +360,8 @@ SPARSE_SCATTER_VECTOR = 8
 IN_ORDER = 0
 #: rows narrower than :data:`IN_ORDER_MAX_ROW` bytes of an ascending gather with more than
 #: :data:`SPARSE_GAP_BYTES` and at most this many bytes of table per id take the in-order
-#: launch (H200, DESIGN.md: 8-37% faster than one block per SM at 32-128 KB per id; slower
-#: at 256 KB and above)
+#: launch (H200, 32 GB table, DESIGN.md: 6-28% less time than one block per SM at 32-128 KB
+#: per id; 17-34% more at 512 KB per id, 5-6x at 1 MB, and 14% more for 128 B rows at 256 KB)
 IN_ORDER_GAP_BYTES = 128 << 10
 IN_ORDER_MAX_ROW = 512
 #: the in-order launch needs vectors at least this wide (narrower ones: the default grid)
@@ -382,12 +382,12 @@ def ordered_shape(row_nbytes: int, table_nbytes: int, n_ids: int) -> tuple[int |
     * rows under :data:`IN_ORDER_MAX_ROW` bytes with at most :data:`IN_ORDER_GAP_BYTES` of
       table per id: :data:`IN_ORDER`, a block of one warp per row, the blocks started in id
       order (the shape of torch's own ``index_select`` kernel). H200, 32 GB table: 32-128 B
-      rows at 32-128 KB per id 5.2 -> 4.9 to 15.4 -> 11.0 ms against one block per SM;
-      16 GB table with the GPU's L2 cache flushed before each call, 22-29% faster at
+      rows at 32-128 KB per id 5.25 -> 4.95 to 15.5 -> 11.1 ms against one block per SM;
+      16 GB table with the GPU's L2 cache flushed before each call, 22-29% less time at
       64-128 KB per id (DESIGN.md, "In-order launches");
     * other rows under 512 B: one block per SM with 4-byte vectors (128-256 B rows 6-19%
       faster than the default grid at 32-256 KB per id, 4-6x at 1 MB per id, where the
-      in-order launch was 6x slower);
+      in-order launch took 5-6x its time);
     * rows of 512 B up to 2 KB: one block per SM with 8-byte vectors. Gathers of 131,072
       sorted 512 B ids from 4-64 GB tables 9-18% faster than with the default grid (1M ids
       on 64 GB: 25%); 2-4 KB rows gained nothing.
@@ -398,7 +398,7 @@ def ordered_shape(row_nbytes: int, table_nbytes: int, n_ids: int) -> tuple[int |
     packed in 1/32 of a 32 GB table), and at least as fast on a dense head with a sparse
     tail for the rows they are given to: narrower vectors were faster still on sparse
     requests at 256 KB per id but 40-60% slower on clustered ones, and the in-order launch
-    of 512 B rows 21% slower on a dense head with a sparse tail. (A build in which the
+    of 512 B rows 20% slower on a dense head with a sparse tail. (A build in which the
     kernel judged the ids' spread itself was slower on small sparse requests: DESIGN.md.)
     """
     if (
@@ -797,8 +797,9 @@ def launch_gather(
     ``ordered=True`` says the ids ascend: the launch shape then follows
     :func:`ordered_shape` unless ``blocks_per_sm`` or a narrower ``max_vector`` is given.
     ``blocks_per_sm``: blocks of the grid-stride kernel per SM, or :data:`IN_ORDER` for
-    one block per row (``rows_per_block`` rows a block, one warp each: the in-order
-    launch). Any shape gives the same result.
+    one block per row (the in-order launch; ``rows_per_block``, 1-32, rows a block, one
+    warp each: given, it makes the launch in-order whatever ``blocks_per_sm`` says). Any
+    shape gives the same result.
 
     ``table`` and ``out`` may be lists (up to :data:`MAX_TABLES`, same row count and
     row size): the same ids are gathered from every table in one launch. An id
@@ -817,6 +818,8 @@ def launch_gather(
     device = outs[0].device
     if ordered and blocks_per_sm is None and max_vector >= 16:
         blocks_per_sm, max_vector = _ordered_launch(tables, outs, geom, n)
+    if blocks_per_sm is not None and blocks_per_sm < 0:
+        raise ValueError(f"a gather takes blocks_per_sm >= 0; got {blocks_per_sm}")
     in_order = blocks_per_sm == IN_ORDER or rows_per_block is not None
     per_block = 1 if rows_per_block is None else rows_per_block
     if in_order and (not 1 <= per_block <= 32 or -(-n // per_block) > _MAX_GRID_X):

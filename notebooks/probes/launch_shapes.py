@@ -13,6 +13,10 @@ timings (ms). ``d``: the default grid; ``rule``: ``ordered=True``
 pass). Session 10's results: ``notebooks/results/h200-launch-shapes-session10c.json``
 (``...10a`` / ``...10b``: earlier probes of 512 B rows on 1-64 GB tables, shapes forced
 by patching ``_max_blocks``).
+
+Since session 21 ``ordered_shape`` may return ``IN_ORDER`` (0 blocks per SM: the in-order
+launch) for narrow rows at up to 128 KB of table per id; this probe's ``b2rule`` variant
+reads it as a grid shape, so there it would time two blocks per SM with 16-byte vectors.
 """
 
 from __future__ import annotations

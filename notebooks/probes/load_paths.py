@@ -475,6 +475,7 @@ def flush_main(path: str, gb: int = 16) -> None:
                 for name, (b, fn) in plans.items():
                     if b != build:
                         continue
+                    out.zero_()
                     for mode, timer in (
                         ("warm", timed),
                         ("cold", functools.partial(timed, scratch=scratch)),
