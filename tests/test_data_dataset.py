@@ -268,3 +268,29 @@ def test_dataloader_batch_size_must_be_positive(arrays: tuple[np.ndarray, ...]) 
         DataLoader(ds, batch_size=0)
     with pytest.raises(GadgetValueError, match="batch_size must be >= 1"):
         GadgetSampler(ds, batch_size=0)
+
+
+def test_bad_slices_of_a_dataset_raise_gadget_errors() -> None:
+    """A slice with a zero step or non-integer bounds is refused with the library's own
+    errors (catchable as ``GadgetError`` and as the builtin), as ``DataGadget`` refuses it;
+    valid slices follow Python."""
+    ds = GadgetDataset(np.arange(10), device="cpu")
+    with pytest.raises(GadgetValueError, match="non-zero step"):
+        ds[::0]
+    for bad in (slice(0.5, 2), slice("a", None)):
+        with pytest.raises(GadgetTypeError, match="integer bounds"):
+            ds[bad]
+    with pytest.raises(TypeError):  # the matching builtin
+        ds[slice(0.5, 2)]
+    assert ds[-3:][0].tolist() == [7, 8, 9]
+    assert ds[::-4][0].tolist() == [9, 5, 1]
+
+
+def test_drop_last_with_fewer_rows_than_a_batch_per_rank_is_refused() -> None:
+    """``drop_last=True`` with fewer rows than ``num_replicas * batch_size`` would leave no
+    batch: refused, saying so (documented in the sampler's docstring)."""
+    with pytest.raises(GadgetValueError, match="leaves no batch"):
+        GadgetSampler(1, batch_size=2, drop_last=True)
+    with pytest.raises(GadgetValueError, match="leaves no batch"):
+        GadgetSampler(10, batch_size=4, drop_last=True, num_replicas=3, rank=0)
+    assert len(GadgetSampler(12, batch_size=4, drop_last=True, num_replicas=3, rank=2)) == 1

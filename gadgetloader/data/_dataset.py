@@ -27,7 +27,7 @@ from .._device import cuda_available, cupy_available, resolve_device
 from .._errors import GadgetIndexError, GadgetTypeError, GadgetValueError
 from .._fork import keep_in_forked_child
 from .._ids import as_ids, check_range
-from ..gadget import DataGadget
+from ..gadget import DataGadget, _rows_of
 from ..stores import Store
 from ..transfer import _engine, _kernels
 from ._sampler import _AHEAD, SamplerIds, _id_buffer, chunk_rows_of, sampler_ids_bound
@@ -424,7 +424,7 @@ class GadgetDataset(Dataset[Any]):
         the last three); ids in a list, array or tensor must lie in ``[0, len(ds))``
         (a negative one raises :class:`~gadgetloader.GadgetIndexError`)."""
         if isinstance(index, slice):
-            index = range(*index.indices(self._num_rows))
+            index = _rows_of(index, self._num_rows)
         if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
             i, n = int(index), self._num_rows
             if not -n <= i < n:

@@ -337,7 +337,8 @@ class GadgetSampler(Sampler[Any]):
       ``n // R`` is a multiple of ``B``. Needs ``n >= R``.
     * ``drop_last=True``: each rank yields ``n // (R * B)`` full batches; the last
       ``n % (R * B)`` rows of the epoch order (a different set every shuffled
-      epoch) are not yielded that epoch.
+      epoch) are not yielded that epoch. Fewer than ``R * B`` rows would leave no batch
+      at all, which is refused (:class:`~gadgetloader.GadgetValueError`).
     * ``pad=True``: each rank yields ``ceil(n / (R * B))`` full batches; the
       ``R * B * ceil(n / (R * B)) - n`` missing rows are taken again from the start
       of the epoch order (cyclically), so those rows are seen twice that epoch.
