@@ -9,6 +9,7 @@ read or written, so a bad id never reaches a kernel and never half-updates a tab
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -20,6 +21,8 @@ from ._errors import GadgetIndexError, GadgetTypeError, GadgetValueError
 __all__ = [
     "as_ids",
     "check_range",
+    "checked_after",
+    "int64_ids",
     "last_writer",
     "LastWriter",
     "range_check_of",
@@ -204,10 +207,39 @@ def check_range(ids: torch.Tensor, num_rows: int) -> None:
 
 
 class _Ends(threading.local):
-    buf: torch.Tensor | None = None
+    """Per thread: a page-locked pair for the (smallest, largest) id of a check and, per
+    CUDA device, 0-d CUDA tensors aliasing its two numbers (the GPU writes them to host
+    memory directly, so a check is one reduction, with no copy queued after it)."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.mapped: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
 
 _ends = _Ends()
+
+
+def _mapped_ends(buf: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """CUDA aliases of ``buf``'s two int64s on device ``index`` (None without CuPy, which
+    finds the buffer's device address)."""
+    from ._device import cupy_available, get_cupy
+
+    if not cupy_available():
+        return None
+    cp = get_cupy("range checks")
+    try:
+        ptr = int(cp.cuda.runtime.pointerGetAttributes(buf.data_ptr()).devicePointer)
+    except Exception:  # not mapped into this device (or a very old CuPy): copy instead
+        return None
+    if not ptr:
+        return None
+    mem = cp.cuda.UnownedMemory(ptr, 16, buf, device_id=index)
+    arr = cp.ndarray((2,), dtype=cp.int64, memptr=cp.cuda.MemoryPointer(mem, 0))
+    with torch.inference_mode(False):  # (kept across calls, as pinned_empty's buffers)
+        pair = torch.from_dlpack(arr)
+    if pair.data_ptr() != ptr or pair.device.index != index:
+        return None
+    return pair[0], pair[1]
 
 
 def start_range_check(ids: torch.Tensor, num_rows: int, *, private: bool = False) -> Any:
@@ -216,19 +248,32 @@ def start_range_check(ids: torch.Tensor, num_rows: int, *, private: bool = False
     id is out of range). Work queued in between runs on the GPU while the check's result
     travels back, so a gather pays no idle round trip for its check.
 
-    ``private=True`` gives the check its own pinned buffer (instead of the thread's one),
-    for a check left pending while others start (a training lookup's deferred check)."""
+    The check is one ``aminmax`` writing its two numbers straight into page-locked host
+    memory (with CuPy; else a reduction and a copy), so little is queued ahead of the
+    work it guards. ``private=True`` gives the check its own pinned buffer (instead of
+    the thread's one), for a check left pending while others start (a training lookup's
+    deferred check)."""
     if ids.numel() == 0 or not ids.is_cuda:
         check_range(ids, num_rows)
         return _nothing
+    flat = ids.reshape(-1)
+    stream = torch.cuda.current_stream(ids.device)
     if private:
         buf = pinned_empty(2, torch.int64)
+        buf.copy_(torch.stack(torch.aminmax(flat)), non_blocking=True)
+        return range_check_of(buf, num_rows, stream.record_event())
+    if _ends.buf is None:
+        _ends.buf = pinned_empty(2, torch.int64)
+    buf = _ends.buf
+    index = ids.device.index if ids.device.index is not None else torch.cuda.current_device()
+    if index not in _ends.mapped:
+        _ends.mapped[index] = _mapped_ends(buf, index)
+    mapped = _ends.mapped[index]
+    if mapped is None:
+        buf.copy_(torch.stack(torch.aminmax(flat)), non_blocking=True)
     else:
-        if _ends.buf is None:
-            _ends.buf = pinned_empty(2, torch.int64)
-        buf = _ends.buf
-    buf.copy_(torch.stack(torch.aminmax(ids.reshape(-1))), non_blocking=True)
-    return range_check_of(buf, num_rows, torch.cuda.current_stream(ids.device).record_event())
+        torch.aminmax(flat, out=mapped)
+    return range_check_of(buf, num_rows, stream.record_event())
 
 
 def range_check_of(ends: torch.Tensor, num_rows: int, done: Any) -> Any:
@@ -266,6 +311,17 @@ def as_ids(
     GadgetIndexError
         A negative id or one ``>= num_rows``.
     """
+    t = int64_ids(indexes, num_rows, device)
+    if check or not t.is_cuda:  # CPU ids are checked always: it costs no GPU synchronisation
+        check_range(t, num_rows)
+    if device is not None and t.device != device:
+        t = _upload(t, device) if device.type == "cuda" else t.to(device)
+    return t
+
+
+def int64_ids(indexes: Any, num_rows: int, device: torch.device | None = None) -> torch.Tensor:
+    """``indexes`` as an int64 tensor (on the CPU or its CUDA device), not yet checked
+    against the table (only a ``range`` past it is refused, before it is built)."""
     if isinstance(indexes, range) and indexes:
         # checked from its ends before it is built (a range far past the table would
         # first take gigabytes)
@@ -294,11 +350,28 @@ def as_ids(
         # a host table's ids come to the CPU anyway (the copy synchronises): then they are
         # CPU ids, checked for free, since no kernel guards a host table's torch indexing
         t = t.to(device)
-    if check or not t.is_cuda:  # CPU ids are checked always: it costs no GPU synchronisation
-        check_range(t, num_rows)
-    if device is not None and t.device != device:
-        t = _upload(t, device) if device.type == "cuda" else t.to(device)
     return t
+
+
+def checked_after(
+    ids: torch.Tensor, num_rows: int, device: torch.device
+) -> tuple[torch.Tensor, Callable[[], None]]:
+    """For a gather to the CUDA ``device`` by the row kernels (which never read outside a
+    table, whatever the ids) of the int64 ``ids`` from :func:`int64_ids`: the ids on
+    ``device``, *not yet checked*, and the range check to run once the gather is queued,
+    which raises :class:`GadgetIndexError` as :func:`as_ids` would.
+
+    CPU ids are uploaded unchecked and checked on the CPU while the GPU gathers, so the
+    gather's kernel starts without waiting for the check. CUDA ids are checked by
+    :func:`start_range_check`, queued here ahead of the gather (one small reduction); the
+    returned function then waits for its two numbers only, not for the gather.
+    """
+    if ids.numel() == 0:
+        return (ids if ids.device == device else ids.to(device)), _nothing
+    if not ids.is_cuda:
+        cpu = ids
+        return _upload(ids, device), lambda: check_range(cpu, num_rows)
+    return ids, start_range_check(ids, num_rows)
 
 
 class _UploadRing(threading.local):

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from . import io as _io
-from ._device import resolve_device
+from ._device import cupy_available, resolve_device
 from ._dtypes import as_torch_dtype, dtype_name, numpy_dtype
 from ._errors import (
     GadgetError,
@@ -25,12 +25,13 @@ from ._errors import (
     as_flag,
     table_mismatch,
 )
-from ._ids import _WIDE_UNSIGNED, as_ids, start_range_check
+from ._ids import _WIDE_UNSIGNED, as_ids, checked_after, int64_ids
 from ._paths import as_path
 from .stores import Store, empty_store
 from .stores._base import gather_many as gather_stores
 from .stores._base import scatter_many as scatter_stores
-from .transfer._engine import STRATEGIES
+from .transfer import _engine, _kernels
+from .transfer._engine import STRATEGIES, shares_memory
 
 __all__ = ["DataGadget", "as_tensor_data", "gather_many", "scatter_many"]
 
@@ -688,16 +689,17 @@ class DataGadget:
         check_ids : bool, default True
             Check CUDA ids against the table's size before the gather. This costs one
             stream synchronisation (tens of microseconds); pass False for ids you know
-            are valid (e.g. from a sampler). CPU ids are always checked (no
-            synchronisation), and the GPU kernels never read outside the table
-            whatever the ids: an unchecked out-of-range id yields a zero row.
+            are valid (e.g. from a sampler). CPU ids are always checked (on the CPU, no
+            synchronisation; for a GPU gather while the GPU gathers), and the GPU
+            kernels never read outside the table whatever the ids: an unchecked
+            out-of-range id yields a zero row.
 
         Raises
         ------
         GadgetIndexError
             A negative id or one ``>= len(self)``: nothing outside the table is read,
-            the table is unchanged, and no rows are returned (for CUDA ids the check
-            runs alongside the gather; an ``out`` tensor may then hold partial rows).
+            the table is unchanged, and no rows are returned (where the check runs
+            alongside a GPU gather, an ``out`` tensor may then hold partial rows).
         GadgetTypeError
             Non-integer ids.
         """
@@ -723,47 +725,56 @@ class DataGadget:
             # a large sparse request on a huge host table: CPU threads gather part of it
             # from the ids where they are (uploading them would bring them back)
             where = torch.device("cpu")
-        # CUDA ids for a GPU gather: the check's two numbers travel back while the kernel
-        # runs (it never reads outside the table), then a bad id raises before the rows
-        # are returned
-        overlap = (
-            check_ids
-            and where.type == "cuda"
-            and _is_cuda_tensor(indexes)
-            and self._gathers_in_kernel(dev, int(indexes.numel()))
-        )
-        ids = as_ids(indexes, len(self), where, check=check_ids and not overlap)
+        # a GPU gather by the row kernels (which never read outside the table) does not
+        # wait for the ids' check: CPU ids are checked on the CPU while it runs, and the
+        # two numbers of CUDA ids' check travel back meanwhile; a bad id still raises
+        # before the rows are returned
+        if where.type == "cuda" and (check_ids or not _is_cuda_tensor(indexes)):
+            indexes = int64_ids(indexes, len(self), where)
+            plan = self._kernel_plan(dev, indexes.numel())
+            if plan is not None:
+                how, view = plan
+                if out is not None:
+                    _check_out(out, (*indexes.shape, *self.row_shape), self.dtype, dev)
+                ids, check = checked_after(indexes, len(self), where)
+                if (
+                    how == "kernel"
+                    and ids.dim() == 1
+                    and (out is None or not shares_memory(out, view))
+                ):
+                    # one launch of the row kernel, as the engine's `kernel` strategy would
+                    # make it, without the engine's general bookkeeping
+                    rows = view.new_empty(ids.shape[0], *self.row_shape) if out is None else out
+                    _kernels.gather_rows(view, ids, rows)
+                else:
+                    rows = self._store.gather(ids, dev, out=out, strategy=self._strategy)
+                check()
+                return rows
+        ids = as_ids(indexes, len(self), where, check=check_ids)
         if out is not None:
             _check_out(out, (*ids.shape, *self.row_shape), self.dtype, dev)
-        if not overlap:
-            return self._store.gather(ids, dev, out=out, strategy=self._strategy)
-        finish = start_range_check(ids, len(self))
-        rows = self._store.gather(ids, dev, out=out, strategy=self._strategy)
-        finish()
-        return rows
+        return self._store.gather(ids, dev, out=out, strategy=self._strategy)
 
-    def _gathers_in_kernel(self, dev: torch.device, n: int) -> bool:
-        """Whether a gather of ``n`` ids to ``dev`` runs only the CuPy row kernels, which
-        never read outside the table whatever the ids (so a range check may finish after
-        it). ``torch`` (``index_select``: a device assert) and ``hybrid`` (CPU indexing)
-        must see checked ids first."""
-        from ._device import cupy_available
-        from .transfer import _engine
-
+    def _kernel_plan(self, dev: torch.device, n: int) -> tuple[str, torch.Tensor] | None:
+        """``(strategy, CUDA view)`` where a gather of ``n`` ids to ``dev`` runs only the
+        CuPy row kernels (``kernel`` or ``sorted``), which never read outside the table
+        whatever the ids (so a range check may finish after it); else None. ``torch``
+        (``index_select``: a device assert) and ``hybrid`` (CPU indexing) must see
+        checked ids first."""
         store = self._store
         if type(store).gather is not Store.gather or not cupy_available():
-            return False
+            return None
         dv = store.device_view()
         if dv is None or dev.type != "cuda":
-            return False
+            return None
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         if dv.device.index != index:
-            return False
+            return None
         try:
             how = _engine.resolve_strategy(self._strategy, dv, n, store.host_view())
         except Exception:
-            return False
-        return how in ("kernel", "sorted")
+            return None
+        return (how, dv) if how in ("kernel", "sorted") else None
 
     def _delivery_device(self, device: Any) -> torch.device:
         dev = self._device if device is None else resolve_device(device)
