@@ -294,3 +294,15 @@ def test_drop_last_with_fewer_rows_than_a_batch_per_rank_is_refused() -> None:
     with pytest.raises(GadgetValueError, match="leaves no batch"):
         GadgetSampler(10, batch_size=4, drop_last=True, num_replicas=3, rank=0)
     assert len(GadgetSampler(12, batch_size=4, drop_last=True, num_replicas=3, rank=2)) == 1
+
+
+def test_file_placement_sends_in_memory_columns_to_memory(tmp_path) -> None:
+    # placement='file' opens path columns file-backed; an array beside them has no file
+    # and takes the default in-memory placement (documented in GadgetDataset's docstring)
+    x = np.arange(40, dtype=np.float32).reshape(10, 4)
+    np.save(tmp_path / "x.npy", x)
+    y = np.arange(10)
+    ds = gl.GadgetDataset(str(tmp_path / "x.npy"), y, placement="file", device="cpu")
+    assert [c.placement for c in ds.columns] == ["file", "cpu"]
+    feats, labels = ds[[3, 1]]
+    assert np.array_equal(feats.numpy(), x[[3, 1]]) and labels.tolist() == [3, 1]

@@ -139,7 +139,9 @@ class GadgetDataset(Dataset[Any]):
     placement : str, optional
         Placement for columns given as arrays, tensors or paths. Default: ``cuda``
         for CUDA tensors, ``pinned`` where CUDA and CuPy are present, else ``cpu``
-        (all without a fallback warning). ``'file'`` opens paths file-backed.
+        (all without a fallback warning). ``'file'`` opens paths file-backed; arrays
+        and tensors among the columns (labels beside a file of features, say) then
+        take the default in-memory placement, since they have no file to back them.
     **options
         Passed to :class:`~gadgetloader.DataGadget` for paths (``dataset=``,
         ``format=``, file-store options).
