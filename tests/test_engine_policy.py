@@ -122,7 +122,7 @@ def test_ordered_launch_keeps_the_default_grid_where_the_shape_cannot_apply(
 
     t = torch.zeros(1000, 32)  # 128 B rows, 64 KB of table per id
     assert choice(t, torch.zeros(2, 32)) == (k.IN_ORDER, 16)
-    assert choice(t, torch.zeros(2, 32), scatter=True) == (1, 8)  # no in-order scatter
+    assert choice(t, torch.zeros(2, 32), scatter=True) == (1, 8)  # narrow: no in-order scatter
     t = torch.zeros(3000, 32)  # 192 KB per id: one block per SM
     assert choice(t, torch.zeros(2, 32)) == (1, 4)
     assert choice(t, torch.zeros(2, 32), scatter=True) == (1, 8)
@@ -153,18 +153,52 @@ def test_ordered_launch_keeps_the_default_grid_where_the_shape_cannot_apply(
 
 
 def test_in_order_launch_arguments_are_checked() -> None:
-    """The in-order launch is a gather's, with 1..32 rows a block: anything else is refused
-    before a launch."""
+    """An in-order launch (gather or scatter) takes 1..32 rows a block, and no launch takes
+    a negative blocks_per_sm: anything else is refused before a launch."""
     from gadgetloader.transfer import _kernels as k
 
     table, ids = torch.zeros(100, 8), torch.zeros(4, dtype=torch.int64)
     for bad in (0, 33, -1):
         with pytest.raises(ValueError, match="1..32 rows a block"):
             k.launch_gather(table, ids, torch.zeros(4, 8), rows_per_block=bad)
-    with pytest.raises(ValueError, match="in-order launch is a gather's"):
-        k.launch_scatter(table, ids, torch.zeros(4, 8), blocks_per_sm=k.IN_ORDER)
-    with pytest.raises(ValueError, match="blocks_per_sm >= 0"):
-        k.launch_gather(table, ids, torch.zeros(4, 8), blocks_per_sm=-1)
+        with pytest.raises(ValueError, match="1..32 rows a block"):
+            k.launch_scatter(table, ids, torch.zeros(4, 8), rows_per_block=bad)
+    for launch in (k.launch_gather, k.launch_scatter):
+        with pytest.raises(ValueError, match="blocks_per_sm >= 0; got -1"):
+            launch(table, ids, torch.zeros(4, 8), blocks_per_sm=-1)
+
+
+def test_sparse_scatters_of_512_b_to_1_kb_rows_take_the_in_order_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ascending scatters: rows of 512 B up to and including 1 KB more than 16 KB and at
+    most 128 KB of table per id take the in-order launch; narrower and wider rows and
+    sparser requests one block per SM with 8-byte vectors; dense requests, rows under
+    32 B and of 2 KB and more the default grid; more ids than a grid may have blocks the
+    default grid too."""
+    from gadgetloader.transfer import _kernels as k
+
+    monkeypatch.setattr(k, "in_host_memory", lambda t: True)
+
+    def choice(row_bytes: int, gap: int, n: int = 4) -> tuple:
+        table = torch.zeros(gap * n // row_bytes, row_bytes, dtype=torch.uint8)
+        rows = torch.zeros(n, row_bytes, dtype=torch.uint8)
+        return k._ordered_launch([table], [rows], k.group_geometry([table]), n, scatter=True)
+
+    for row in (512, 640, 1024):
+        assert choice(row, 8 << 10) == (None, 16)  # dense
+        assert choice(row, 17 << 10) == (k.IN_ORDER, 16)
+        assert choice(row, 128 << 10) == (k.IN_ORDER, 16)
+        assert choice(row, 132 << 10) == (1, 8)  # sparser: one block per SM
+    for row in (32, 128, 504, 1032, 2040):  # narrow rows (dense heads) and wider ones
+        assert choice(row, 8 << 10) == (None, 16)
+        assert choice(row, 64 << 10) == (1, 8)
+    assert choice(16, 64 << 10) == (None, 16)  # narrower than 32 B
+    assert choice(2048, 64 << 10) == (None, 16)
+    assert choice(516, 64 << 10) == (k.IN_ORDER, 16)  # 4-byte vectors: enough
+    assert choice(514, 64 << 10) == (None, 16)  # 2-byte vectors only: the default grid
+    monkeypatch.setattr(k, "_MAX_GRID_X", 3)
+    assert choice(512, 64 << 10) == (None, 16)
 
 
 def test_in_order_launch_needs_a_grid_within_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -191,3 +191,122 @@ def test_lane_out_inside_the_table() -> None:
     want = src.clone()
     want[100:200] = src[50:150]
     assert torch.equal(g.getData(torch.arange(3000)).cpu(), want)
+
+
+# ---- the in-order scatter ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("placement", ["pinned", "cuda"])
+@pytest.mark.parametrize(
+    "width,dtype",
+    [
+        (8, torch.float32),  # 32 B rows: 2 lanes of 16 B
+        (100, torch.uint8),  # 4-byte vectors, 25 lanes
+        (3, torch.int16),  # 6 B rows: 2-byte vectors
+        (512, torch.float32),  # 2 KB rows: each lane moves 4 vectors
+        (1, torch.float64),  # one 8-byte vector a row
+    ],
+)
+@pytest.mark.parametrize("rows_per_block", [None, 3, 32])
+def test_in_order_scatter_writes_what_the_grid_writes(
+    placement: str, width: int, dtype: torch.dtype, rows_per_block: int | None
+) -> None:
+    """The in-order scatter (one warp per row, ``rows_per_block`` rows a block) writes what
+    NumPy's sequential assignment writes: repeats (the last occurrence wins, through
+    ``pos``), ids outside the table skipped (nothing written outside), a device-side count,
+    several tables in one launch, and an interleaved group's wide rows."""
+    from gadgetloader.transfer import _kernels
+
+    rows = 3000
+    src = (torch.rand(rows, width) * 100).to(dtype)
+    g = gl.DataGadget(src, placement=placement)
+    t = g.as_tensor()
+    gen = torch.Generator().manual_seed(width)
+    ids = torch.randint(0, rows, (777,), generator=gen)
+    ids[5] = ids[700]  # a repeat: entry 700 wins
+    ids[9], ids[10] = -1, rows  # outside the table: skipped
+    new = (torch.rand(777, width, generator=gen) * 100 + 200).to(dtype)
+    expect = src.clone()
+    inside = (ids >= 0) & (ids < rows)
+    np_expect = expect.numpy()
+    np_expect[ids[inside].numpy()] = new[inside].numpy()  # sequential: the last one wins
+    kw = {"blocks_per_sm": _kernels.IN_ORDER, "rows_per_block": rows_per_block}
+    s, perm = torch.sort(ids.cuda(), stable=True)
+    _kernels.launch_scatter(t, s, new.cuda(), perm, _kernels.SCATTER_LAST_OF_RUN, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(t.cpu(), torch.from_numpy(np_expect))
+    # distinct ids, every entry written, a device-side count of 400: only those
+    t.copy_(src.to(t.device))
+    uid = torch.randperm(rows, generator=gen)[:777]
+    count = torch.tensor([400], device="cuda")
+    _kernels.launch_scatter(t, uid.cuda(), new.cuda(), count=count, **kw)
+    want = src.clone()
+    want[uid[:400]] = new[:400]
+    assert torch.equal(t.cpu(), want)
+    # two tables in one launch
+    t.copy_(src.to(t.device))
+    other = gl.DataGadget(src.flip(0).contiguous(), placement=placement)
+    _kernels.launch_scatter(
+        [t, other.as_tensor()],
+        uid.cuda(),
+        [new.cuda(), -new.cuda()] if dtype.is_signed else [new.cuda(), new.cuda()],
+        **kw,
+    )
+    want = src.clone()
+    want[uid] = new
+    assert torch.equal(t.cpu(), want)
+    want2 = src.flip(0).clone()
+    want2[uid] = -new if dtype.is_signed else new
+    assert torch.equal(other.as_tensor().cpu(), want2)
+    # an interleaved group: three slots of one buffer written as one wide row
+    wide = gl.DataGadget((rows, 3, width), dtype=src.dtype, placement=placement)
+    w = wide.as_tensor()
+    w.zero_()
+    slots = [w[:, j] for j in range(3)]
+    assert _kernels.segments_of(slots)
+    parts = [(new + j).cuda() for j in range(3)]
+    _kernels.launch_scatter(slots, s, parts, perm, _kernels.SCATTER_LAST_OF_RUN, **kw)
+    for j in range(3):
+        got = w[:, j].cpu()
+        touched = torch.zeros(rows, dtype=torch.bool)
+        touched[ids[inside]] = True
+        assert torch.equal(got[touched], torch.from_numpy(np_expect)[touched] + j)
+        assert not got[~touched].any()
+    for x in (g, other, wide):
+        x.close()
+
+
+def test_in_order_scatter_through_insert_data() -> None:
+    """A pinned table whose sparse scatters of 512 B rows take the in-order launch (64 KB of
+    table per id), through ``insertData`` with repeated CPU and CUDA ids and a fused
+    scatter of two tables: the table ends as NumPy's sequential assignment leaves it."""
+    from gadgetloader.transfer import _engine, _kernels
+
+    rows, width = 1 << 18, 128  # 128 MiB of 512 B rows
+    src = torch.randn(rows, width)
+    g = gl.DataGadget(src, placement="pinned", strategy="sorted")
+    ids = torch.randint(0, rows, (2048,))
+    ids[7] = ids[2000]
+    assert _kernels._ordered_launch(
+        [g.as_tensor()], [torch.empty(2048, width, device="cuda")],
+        _kernels.group_geometry([g.as_tensor()]), ids.numel(), scatter=True,
+    ) == (_kernels.IN_ORDER, 16)  # fmt: skip
+    new = torch.randn(2048, width)
+    expect = src.numpy().copy()
+    expect[ids.numpy()] = new.numpy()
+    g.insertData(new, ids)
+    assert np.array_equal(g.getData(torch.arange(rows)).cpu().numpy(), expect)
+    new2 = torch.randn(2048, width)
+    expect[ids.numpy()] = new2.numpy()
+    g.insertData(new2.cuda(), ids.cuda())
+    assert np.array_equal(g.getData(torch.arange(rows)).cpu().numpy(), expect)
+    other = gl.DataGadget(-src, placement="pinned")
+    u = torch.unique(ids).cuda()
+    rows_u = torch.randn(u.numel(), width, device="cuda")
+    _engine.scatter_many(
+        [g.as_tensor(), other.as_tensor()], u, [rows_u, -rows_u], strategy="sorted"
+    )
+    assert torch.equal(g.getData(u).cpu(), rows_u.cpu())
+    assert torch.equal(other.getData(u).cpu(), -rows_u.cpu())
+    g.close()
+    other.close()

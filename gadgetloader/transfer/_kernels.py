@@ -14,8 +14,9 @@ Design (see ``DESIGN.md``):
 * Every row id is checked against the table's row count inside the kernel as a
   last line of defence: a kernel never reads or writes outside a table, even if a
   caller skipped the host-side check (which raises before any launch).
-* Sorted gathers of narrow rows from sparse parts of a huge host table run one warp per
-  row in blocks started in id order (:data:`IN_ORDER`, see :func:`ordered_shape`).
+* Sorted gathers of narrow rows (and scatters of 512 B to 1 KB rows) from sparse parts of
+  a huge host table run one warp per row in blocks started in id order (:data:`IN_ORDER`,
+  see :func:`ordered_shape` and :func:`_ordered_launch`).
 * ``pos`` lets a gather visit ids in sorted order while writing each row to its
   original output position. A scatter of stably sorted ids writes only the last
   entry of each run of equal ids (its last occurrence), tested in the kernel by
@@ -201,13 +202,37 @@ __device__ __forceinline__ void scatter_rows(const ScatterArgs& a)
     }
 }
 
+// The in-order launch of a scatter: one warp per row, blocks in id order (as
+// gather_rows_in_order), the last-writer rule and the count as scatter_rows.
+template <typename V>
+__device__ __forceinline__ void scatter_rows_in_order(const ScatterArgs& a)
+{
+    const long long n = a.count ? min(max(*a.count, 0LL), a.n) : a.n;
+    const long long j = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (j >= n) return;
+    const long long r = a.ids[j];
+    const bool wins = a.mode == 0 || j + 1 == n || a.ids[j + 1] != r;
+    if (!wins || r < 0 || r >= a.n_rows) return;  // never write outside
+    const int y = blockIdx.y;
+    V* __restrict__ table = (V*)a.table[y];
+    const long long span = a.vpr * a.segs;
+    const long long o = (a.pos ? a.pos[j] : j) * a.vpr;
+    for (long long cc = threadIdx.x & 31; cc < span; cc += 32) {
+        long long s = 0, c = cc;
+        if (a.segs > 1) divmod(cc, a.vpr, span < 4294967296LL, s, c);
+        table[r * a.pitch + cc] = ((const V*)a.rows[y + s])[o + c];
+    }
+}
+
 // All arguments travel in one struct passed by value: one kernel parameter to marshal
 // from Python (the launch's CPU cost bounds small transfers).
 #define GL_DEFINE(SUFFIX, V)                                                         \
 extern "C" __global__ void gl_gather_##SUFFIX(const GatherArgs a) { gather_rows<V>(a); } \
 extern "C" __global__ void gl_gather_rows_##SUFFIX(const GatherArgs a)                   \
 { gather_rows_in_order<V>(a); }                                                          \
-extern "C" __global__ void gl_scatter_##SUFFIX(const ScatterArgs a) { scatter_rows<V>(a); }
+extern "C" __global__ void gl_scatter_##SUFFIX(const ScatterArgs a) { scatter_rows<V>(a); } \
+extern "C" __global__ void gl_scatter_rows_##SUFFIX(const ScatterArgs a)                 \
+{ scatter_rows_in_order<V>(a); }
 
 // The gradient of a lookup ``rows[local]`` for a plan sized on the GPU: row r of ``out`` sums
 // the gradient rows of the batch positions whose local id is r (rows past the plan's count:
@@ -364,6 +389,15 @@ IN_ORDER = 0
 #: per id; 17-34% more at 512 KB per id, 5-6x at 1 MB, and 14% more for 128 B rows at 256 KB)
 IN_ORDER_GAP_BYTES = 128 << 10
 IN_ORDER_MAX_ROW = 512
+#: a sparse ascending *scatter* (more than :data:`SPARSE_GAP_BYTES` and at most
+#: :data:`IN_ORDER_GAP_BYTES` of table per id) of rows of these many bytes (both included)
+#: takes the in-order launch. H200, session 22 (DESIGN.md, "In-order scatters"): 512 B rows
+#: 0-12% less time than one block per SM on uniform ids, 7-23% with a dense head and a sparse
+#: tail at 32-64 KB per id, 1% and 9% more at 32 and 128 KB per id with 131,072 such ids;
+#: 1 KB rows 0-8% less. Narrower rows gained 20-31% on uniform ids at 64-128 KB per id but
+#: took 1.4-2.8x the time where a dense head packs their rows (one warp per row writes each
+#: narrow row alone)
+IN_ORDER_SCATTER_ROWS = (512, 1024)
 #: the in-order launch needs vectors at least this wide (narrower ones: the default grid)
 IN_ORDER_MIN_VECTOR = 4
 
@@ -750,18 +784,22 @@ def _ordered_launch(
 ) -> tuple[int | None, int]:
     """(blocks per SM or :data:`IN_ORDER`, widest vector) of a launch whose ids ascend:
     :func:`ordered_shape` for the group's whole row (an interleaved group moves whole wide
-    rows), with one block per SM and :data:`SPARSE_SCATTER_VECTOR` for a sparse scatter
-    (the in-order launch is a gather's); the default grid for a table in GPU memory, and
+    rows); a sparse scatter takes the in-order launch for rows of
+    :data:`IN_ORDER_SCATTER_ROWS` bytes at most :data:`IN_ORDER_GAP_BYTES` apart, else one
+    block per SM with :data:`SPARSE_SCATTER_VECTOR`; the default grid for a table in GPU memory, and
     where the rows' size or the buffers' alignment allow only narrower vectors than the
     shape's (1 x 256 x 1 or 2 B was up to 2.6x slower than the default grid on clustered
     ids: DESIGN.md) or, for the in-order launch, narrower than
     :data:`IN_ORDER_MIN_VECTOR`."""
     row_nbytes, pitch, segs = geom
-    blocks, vector = ordered_shape(row_nbytes * segs, tables[0].shape[0] * pitch, n)
+    table_nbytes = tables[0].shape[0] * pitch
+    blocks, vector = ordered_shape(row_nbytes * segs, table_nbytes, n)
     if blocks is None:
         return None, 16
     if scatter:
-        blocks, vector = 1, SPARSE_SCATTER_VECTOR
+        low, high = IN_ORDER_SCATTER_ROWS
+        in_order = low <= row_nbytes * segs <= high and table_nbytes // n <= IN_ORDER_GAP_BYTES
+        blocks, vector = (IN_ORDER, 16) if in_order else (1, SPARSE_SCATTER_VECTOR)
     need = IN_ORDER_MIN_VECTOR if blocks == IN_ORDER else vector
     if (
         _layout(tables, bufs, geom, vector)[0] < need
@@ -774,6 +812,24 @@ def _ordered_launch(
 
 #: the most blocks a launch's grid may have along x (CUDA's limit)
 _MAX_GRID_X = (1 << 31) - 1
+
+
+def _in_order_shape(
+    blocks_per_sm: int | None, rows_per_block: int | None, n: int
+) -> tuple[bool, int]:
+    """(whether the launch is in-order, rows a block) of a launch of ``n`` ids asked for
+    with these arguments; refuses a negative ``blocks_per_sm``, and an in-order launch
+    with other than 1..32 rows a block or more blocks than a grid may have."""
+    if blocks_per_sm is not None and blocks_per_sm < 0:
+        raise ValueError(f"a launch takes blocks_per_sm >= 0; got {blocks_per_sm}")
+    in_order = blocks_per_sm == IN_ORDER or rows_per_block is not None
+    per_block = 1 if rows_per_block is None else rows_per_block
+    if in_order and (not 1 <= per_block <= 32 or -(-n // per_block) > _MAX_GRID_X):
+        raise ValueError(
+            f"an in-order launch takes 1..32 rows a block and at most {_MAX_GRID_X} "
+            f"blocks; got {per_block} rows a block for {n} ids"
+        )
+    return in_order, per_block
 
 
 def launch_gather(
@@ -818,15 +874,7 @@ def launch_gather(
     device = outs[0].device
     if ordered and blocks_per_sm is None and max_vector >= 16:
         blocks_per_sm, max_vector = _ordered_launch(tables, outs, geom, n)
-    if blocks_per_sm is not None and blocks_per_sm < 0:
-        raise ValueError(f"a gather takes blocks_per_sm >= 0; got {blocks_per_sm}")
-    in_order = blocks_per_sm == IN_ORDER or rows_per_block is not None
-    per_block = 1 if rows_per_block is None else rows_per_block
-    if in_order and (not 1 <= per_block <= 32 or -(-n // per_block) > _MAX_GRID_X):
-        raise ValueError(
-            f"an in-order launch takes 1..32 rows a block and at most {_MAX_GRID_X} "
-            f"blocks; got {per_block} rows a block for {n} ids"
-        )
+    in_order, per_block = _in_order_shape(blocks_per_sm, rows_per_block, n)
     w, vpr, pitch, segs, gy = _layout(tables, outs, geom, max_vector)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     block = BLOCK
@@ -929,13 +977,15 @@ def launch_scatter(
     blocks_per_sm: int | None = None,
     max_vector: int = 16,
     unroll: int | None = None,
+    rows_per_block: int | None = None,
 ) -> None:
     """``table[ids[j]] = rows[pos[j]]`` (``rows[j]`` when ``pos`` is None).
 
     ``count``: a 1-element int64 CUDA tensor; only the first ``count`` ids are written.
-    ``ordered``, ``blocks_per_sm``, ``max_vector``: the launch shape, as in
-    :func:`launch_gather`; ``unroll`` (rows a thread writes per pass) defaults to
-    :data:`SCATTER_UNROLL`, and to 1 for a sparse ordered request (measured faster).
+    ``ordered``, ``blocks_per_sm`` (:data:`IN_ORDER` included), ``rows_per_block``,
+    ``max_vector``: the launch shape, as in :func:`launch_gather`; ``unroll`` (rows a
+    thread of the grid-stride kernel writes per pass) defaults to :data:`SCATTER_UNROLL`,
+    and to 1 for a sparse ordered request (measured faster).
 
     ``mode`` :data:`SCATTER_ALL` writes every entry (the ids must be distinct, or a
     repeated row's bytes may mix); :data:`SCATTER_LAST_OF_RUN` expects ids sorted
@@ -950,22 +1000,24 @@ def launch_scatter(
     if n == 0 or geom[0] == 0:
         return
     device = srcs[0].device
-    if blocks_per_sm is not None and blocks_per_sm < 1:
-        raise ValueError(
-            f"a scatter takes blocks_per_sm >= 1 (the in-order launch is a gather's); got "
-            f"{blocks_per_sm}"
-        )
     if ordered and blocks_per_sm is None and max_vector >= 16:
         blocks_per_sm, max_vector = _ordered_launch(tables, srcs, geom, n, scatter=True)
         if unroll is None and blocks_per_sm is not None:
             unroll = 1
     if unroll is None:
         unroll = SCATTER_UNROLL
+    in_order, per_block = _in_order_shape(blocks_per_sm, rows_per_block, n)
     w, vpr, pitch, segs, gy = _layout(tables, srcs, geom, max_vector)
     idx = device.index if device.index is not None else torch.cuda.current_device()
+    if in_order:
+        grid, block = -(-n // per_block), 32 * per_block
+        kernel = _function(idx, UNROLL, f"gl_scatter_rows_{w}")
+    else:
+        grid, block = _grid(n * vpr * segs, idx, unroll, blocks_per_sm), BLOCK
+        kernel = _function(idx, unroll, f"gl_scatter_{w}")
     _launch(
-        _function(idx, unroll, f"gl_scatter_{w}"),
-        (_grid(n * vpr * segs, idx, unroll, blocks_per_sm), gy),
+        kernel,
+        (grid, gy),
         [
             *_pointer_args(tables),
             *_pointer_args(srcs),
@@ -981,6 +1033,7 @@ def launch_scatter(
         ],
         _SCATTER_ARGS,
         device,
+        block,
     )
 
 
