@@ -9,15 +9,44 @@ from ._errors import GadgetTypeError
 
 __all__ = ["as_path"]
 
+#: characters of a refused argument's repr shown in the message (a long path stays whole)
+_SHOWN = 200
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
+
 
 def as_path(path: Any, what: str = "path") -> str:
-    """``os.fspath(path)`` for a ``str`` or ``os.PathLike``; anything else (``None``, a
-    number, ``bytes``) is a :class:`~gadgetloader.GadgetTypeError` naming what arrived."""
+    """``os.fspath(path)`` for a ``str`` or an ``os.PathLike`` whose ``__fspath__`` gives a
+    ``str``; anything else is a :class:`~gadgetloader.GadgetTypeError` naming what arrived.
+
+    ``bytes`` paths (and ``os.PathLike`` objects that give bytes) are refused, everywhere a
+    file name is taken: ``DataGadget`` reads a ``bytes`` source as data, so accepting them
+    here would make ``save(b"t.npy")`` work while ``DataGadget(b"t.npy")`` cannot. The
+    message names ``os.fsdecode``, which turns such a path into the ``str`` taken here
+    (undecodable bytes survive as surrogate escapes, and name the same file).
+    """
     if isinstance(path, (str, os.PathLike)):
-        p = os.fspath(path)
+        try:
+            p = os.fspath(path)
+        except TypeError:  # an __fspath__ that returns neither str nor bytes
+            p = None
         if isinstance(p, str):
             return p
+        if isinstance(p, bytes):  # an os.PathLike whose __fspath__ gives bytes
+            raise GadgetTypeError(
+                f"{what} must be a str or an os.PathLike that gives a str (a file or directory "
+                f"name); got {type(path).__name__}, whose __fspath__() gives bytes "
+                f"{_shown(p)}: pass os.fsdecode(path) instead"
+            )
+    if isinstance(path, bytes):
+        raise GadgetTypeError(
+            f"{what} must be a str or os.PathLike (a file or directory name); got bytes "
+            f"{_shown(path)}: pass os.fsdecode(path) instead"
+        )
     raise GadgetTypeError(
         f"{what} must be a str or os.PathLike (a file or directory name); got "
-        f"{type(path).__name__} {path!r:.60}"
+        f"{type(path).__name__} {_shown(path)}"
     )

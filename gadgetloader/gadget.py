@@ -400,7 +400,8 @@ class DataGadget:
                 f"a shape must be a tuple of non-negative ints; got {fileName!r} "
                 "(pass data as an array, tensor or list)"
             )
-        elif isinstance(fileName, (str, os.PathLike)):
+        elif isinstance(fileName, (str, bytes, os.PathLike)):
+            # (bytes: a file name, refused with advice -- NumPy cannot hold raw bytes as rows)
             self._source_path = as_path(fileName)
             self._store = self._open_file(
                 self._source_path, requested, dataset, format, progress, dtype, options

@@ -27,6 +27,7 @@ from .._device import cuda_available, cupy_available, resolve_device
 from .._errors import GadgetIndexError, GadgetTypeError, GadgetValueError
 from .._fork import keep_in_forked_child
 from .._ids import as_ids, check_range
+from .._paths import as_path
 from ..gadget import DataGadget, _rows_of
 from ..stores import Store
 from ..transfer import _engine, _kernels
@@ -193,7 +194,8 @@ class GadgetDataset(Dataset[Any]):
             raise GadgetValueError(
                 "GadgetDataset needs at least one column (a DataGadget, file path, array or tensor)"
             )
-        if options and not any(isinstance(c, (str, os.PathLike)) for c in columns):
+        # (bytes count as a path here: the column's own check then says how to pass one)
+        if options and not any(isinstance(c, (str, bytes, os.PathLike)) for c in columns):
             raise GadgetTypeError(
                 f"options {sorted(options)} apply to file-path columns (how to open the file), "
                 "and this dataset has none"
@@ -233,6 +235,8 @@ class GadgetDataset(Dataset[Any]):
             return col
         if isinstance(placement, str):
             placement = placement.lower()  # placement names are case-insensitive
+        if isinstance(col, bytes):  # a file name as bytes: refused as every path taker does
+            as_path(col, f"a file path in column {i}")
         if isinstance(col, (str, os.PathLike)):
             where = placement or _auto_placement(col, self._device)
             g = DataGadget(col, placement=where, device=self._device, **options)

@@ -304,6 +304,14 @@ class GadgetSampler(Sampler[Any]):
     chunk_rows : int, optional
         For ``order='chunk'``: rows per file chunk. Default: the ``chunk_rows`` (or
         file store's ``block_rows``) of ``data_source`` or of its store.
+
+        ``window_chunks`` and ``chunk_rows`` shape only the chunk order: with
+        ``order='random'`` or ``'sequential'`` they have no effect (the batches are
+        those of a sampler built without them), so one set of options can serve every
+        order. A value given is still checked (an int >= 1; a ``GadgetTypeError`` or
+        ``GadgetValueError`` otherwise), and a saved state is compared on them only for
+        ``order='chunk'``: a ``random`` / ``sequential`` state loads into a sampler
+        built with other values, or without them.
     num_replicas, rank : int, optional
         Shard over ranks; default: ``torch.distributed``'s world size and rank when
         it is initialised, else one rank. Without ``torch.distributed``, a
@@ -589,6 +597,8 @@ class GadgetSampler(Sampler[Any]):
 
     @property
     def window_chunks(self) -> int:
+        """Chunks shuffled together by ``order='chunk'`` (the value given, else the default;
+        the other orders do not use it)."""
         return self._window_chunks
 
     def __len__(self) -> int:

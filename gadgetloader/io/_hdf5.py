@@ -414,6 +414,10 @@ class Hdf5Source(ArraySource):
                     self.dataset = obj.name.lstrip("/")
                 else:  # its name is the other file's: keep the link's
                     self.dataset = dataset.strip("/")
+                #: where an external link leads: (file, dataset in that file), for messages
+                self.link_target: tuple[str, str] | None = (
+                    (home, obj.name.lstrip("/")) if self.external else None
+                )
                 self.watch_paths = (self.path, home) if self.external else (self.path,)
                 #: the dataset object itself (file and header address): soft links and other
                 #: spellings of one dataset share caches and locks
@@ -455,11 +459,16 @@ class Hdf5Source(ArraySource):
         return bool(self.supports_writes) and not getattr(self, "external", False)
 
     def read_only_reason(self) -> str | None:
+        """Why rows cannot be written here: the dataset was reached through an external
+        link, so its rows live in the linked file (written only by a table opened on that
+        file). Says what was expected, what the link is and where to write instead; the
+        file table adds its own advice (load the table into memory) after it."""
         if getattr(self, "external", False):
+            home, name = self.link_target or (self.path, self.dataset)
             return (
-                f"its rows ({self.path}[{self.dataset!r}]) live in another file, reached "
-                "through an HDF5 external link; open that file directly to write, or load the "
-                "table into memory"
+                "rows are written only into the file the table opened, and "
+                f"{self.path}[{self.dataset!r}] is an HDF5 external link to {home}[{name!r}]; "
+                f"open {home} with dataset={name!r} to write those rows in place"
             )
         return None
 

@@ -33,6 +33,7 @@ from .._device import pinned_empty
 from .._dtypes import dtype_name, numpy_dtype
 from .._errors import GadgetFileError, GadgetTypeError, GadgetValueError, ReadOnlyError
 from .._ids import last_writer
+from .._paths import as_path
 from ..io import open_source
 from ..io._base import ArraySource
 from ._base import Store
@@ -922,7 +923,7 @@ def file_store(
             f"unexpected option(s) {unknown} for placement='file'; expected some of {list(_OPTIONS)}"
         )
     if not isinstance(source, ArraySource):
-        source = open_source(os.fspath(source), format=format, dataset=dataset)
+        source = open_source(as_path(source), format=format, dataset=dataset)
     try:
         if source.num_rows == 0:
             raise GadgetValueError(
