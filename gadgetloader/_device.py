@@ -137,7 +137,9 @@ def get_cupy(feature: str) -> ModuleType:
     if cp is None:
         raise MissingDependencyError(
             f"{feature} requires CuPy, which is not installed; install it with "
-            "pip install 'gadgetloader[cuda12]' (CUDA 12) or 'gadgetloader[cuda13]' (CUDA 13)"
+            "pip install 'gadgetloader[cuda12]' (CUDA 12) or 'gadgetloader[cuda13]' (CUDA 13) "
+            "(from a checkout: pip install -e '.[cuda12]'; or pip install cupy-cuda12x / "
+            "cupy-cuda13x)"
         )
     return cp
 

@@ -90,7 +90,8 @@ def import_h5py() -> ModuleType:
     except ImportError as exc:
         raise MissingDependencyError(
             "HDF5 files need the optional 'h5py' package, which is not installed; "
-            "install it with pip install 'gadgetloader[hdf5]'"
+            "install it with pip install 'gadgetloader[hdf5]' (from a checkout: pip install -e "
+            "'.[hdf5]'; or pip install h5py)"
         ) from exc
     _register_fork_hooks()
     return h5py

@@ -76,12 +76,14 @@ def import_zarr() -> ModuleType:
     except ImportError as exc:
         raise MissingDependencyError(
             "zarr stores need the optional 'zarr>=3' package, which is not installed; "
-            "install it with pip install 'gadgetloader[zarr]'"
+            "install it with pip install 'gadgetloader[zarr]' (from a checkout: pip install -e "
+            "'.[zarr]'; or pip install 'zarr>=3')"
         ) from exc
     if int(str(zarr.__version__).split(".")[0]) < 3:
         raise MissingDependencyError(
             f"zarr stores need 'zarr>=3' but zarr {zarr.__version__} is installed; "
-            "upgrade with pip install 'gadgetloader[zarr]'"
+            "upgrade with pip install 'gadgetloader[zarr]' (from a checkout: pip install -e "
+            "'.[zarr]'; or pip install -U 'zarr>=3')"
         )
     return zarr
 
