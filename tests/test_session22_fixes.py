@@ -290,3 +290,28 @@ def test_a_bytes_file_name_given_to_datagadget_is_refused_with_advice(tmp_path) 
         gl.DataGadget(os.fsencode(path))
     g = gl.DataGadget(os.fsdecode(os.fsencode(path)), placement="cpu")
     assert g.getData([2]).tolist() == [[4.0, 5.0]]
+
+
+@pytest.mark.parametrize("repeats", [False, True])
+@pytest.mark.parametrize("aliased", [False, True])
+def test_cpu_table_scatter_matches_numpy(repeats: bool, aliased: bool) -> None:
+    # a host table's insertData writes each id's last occurrence; distinct ids take one
+    # index_copy_, repeats the winners in their given order; rows that are a view of the
+    # table itself are read before anything is written (as NumPy's a[ids] = a[k:m])
+    gen = torch.Generator().manual_seed(int(repeats) * 2 + int(aliased))
+    src = torch.randn(500, 6, generator=gen)
+    g = gl.DataGadget(src.clone(), placement="cpu")
+    n = 200
+    ids = (
+        torch.randint(0, 500, (n,), generator=gen)
+        if repeats
+        else torch.randperm(500, generator=gen)[:n]
+    )
+    if repeats:
+        ids[3] = ids[150]  # a repeat for sure
+    view = g.as_tensor()
+    rows = view[100:300] if aliased else torch.randn(n, 6, generator=gen)
+    expect = src.numpy().copy()
+    expect[ids.numpy()] = (expect[100:300] if aliased else rows.numpy()).copy()
+    g.insertData(rows, ids)
+    assert np.array_equal(g.as_tensor().numpy(), expect)

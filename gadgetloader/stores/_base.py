@@ -202,9 +202,17 @@ class Store(abc.ABC):
                 src = src.clone()  # rows of the table itself: read them all before any write
             hv.index_copy_(0, ids.reshape(-1).cpu(), src)
             return
-        plan = last_writer(ids.reshape(-1).cpu())
-        sel = plan.keep.nonzero().squeeze(1)
-        hv.index_copy_(0, plan.ids[sel], src[plan.pos[sel]])
+        flat = ids.reshape(-1).cpu()
+        plan = last_writer(flat)
+        if shares_memory(src, hv):
+            src = src.clone()  # rows of the table itself: read them all before any write
+        if bool(plan.keep.all()):  # no repeats: every row is written as it is
+            hv.index_copy_(0, flat, src)
+            return
+        # each id's last occurrence, in the order given: ascending positions read the rows
+        # nearly in order (gathering them in id order was 2.4x slower on 64 MiB of rows)
+        win = plan.pos[plan.keep].sort().values
+        hv.index_copy_(0, flat[win], src[win])
 
     def read_block(self, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` as a CPU tensor (a view where the table is in host RAM)."""
