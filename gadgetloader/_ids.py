@@ -228,18 +228,26 @@ def _mapped_ends(buf: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Ten
         return None
     cp = get_cupy("range checks")
     try:
-        ptr = int(cp.cuda.runtime.pointerGetAttributes(buf.data_ptr()).devicePointer)
+        with cp.cuda.Device(index):
+            # (a thread with no CUDA context of its own yet is told 0: page-locked memory
+            # from cudaHostAlloc has the same address on the device under UVA, as the
+            # pinned store also assumes)
+            ptr = int(cp.cuda.runtime.pointerGetAttributes(buf.data_ptr()).devicePointer)
+            ptr = ptr or buf.data_ptr()
+            mem = cp.cuda.UnownedMemory(ptr, 16, buf, device_id=index)
+            arr = cp.ndarray((2,), dtype=cp.int64, memptr=cp.cuda.MemoryPointer(mem, 0))
+            with torch.inference_mode(False):  # (kept across calls, as pinned_empty's)
+                pair = torch.from_dlpack(arr)
     except Exception:  # not mapped into this device (or a very old CuPy): copy instead
         return None
-    if not ptr:
-        return None
-    mem = cp.cuda.UnownedMemory(ptr, 16, buf, device_id=index)
-    arr = cp.ndarray((2,), dtype=cp.int64, memptr=cp.cuda.MemoryPointer(mem, 0))
-    with torch.inference_mode(False):  # (kept across calls, as pinned_empty's buffers)
-        pair = torch.from_dlpack(arr)
     if pair.data_ptr() != ptr or pair.device.index != index:
         return None
-    return pair[0], pair[1]
+    lo, hi = pair[0], pair[1]
+    # once per thread and device: the GPU's two numbers must reach the buffer the host reads
+    with torch.inference_mode(False):
+        torch.aminmax(torch.tensor([-3, 7], device=f"cuda:{index}"), out=(lo, hi))
+    torch.cuda.current_stream(index).synchronize()
+    return (lo, hi) if buf.tolist() == [-3, 7] else None
 
 
 def start_range_check(ids: torch.Tensor, num_rows: int, *, private: bool = False) -> Any:
