@@ -3,7 +3,8 @@
 Ids arrive as torch tensors (CPU or CUDA), NumPy or CuPy arrays, lists, ranges or
 Python ints, of any integer dtype. :func:`as_ids` turns them into one int64 torch
 tensor on the device that will use them and checks the range *before* anything is
-read or written, so a bad id never reaches a kernel and never half-updates a table.
+written, so a bad id never half-updates a table. (A GPU gather by the row kernels, which
+never read outside a table, may run before its ids' check finishes: :func:`checked_after`.)
 """
 
 from __future__ import annotations
@@ -229,11 +230,16 @@ def _mapped_ends(buf: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Ten
     cp = get_cupy("range checks")
     try:
         with cp.cuda.Device(index):
-            # (a thread with no CUDA context of its own yet is told 0: page-locked memory
-            # from cudaHostAlloc has the same address on the device under UVA, as the
-            # pinned store also assumes)
             ptr = int(cp.cuda.runtime.pointerGetAttributes(buf.data_ptr()).devicePointer)
-            ptr = ptr or buf.data_ptr()
+            if not ptr:
+                # (a thread with no CUDA context of its own yet is told 0.) Page-locked
+                # memory has the same address on the device where the device says so for
+                # registered memory (it always does for cudaHostAlloc's under UVA);
+                # otherwise copy
+                attr = getattr(cp.cuda.runtime, "cudaDevAttrCanUseHostPointerForRegisteredMem", 91)
+                if cp.cuda.runtime.deviceGetAttribute(attr, index) != 1:
+                    return None
+                ptr = buf.data_ptr()
             mem = cp.cuda.UnownedMemory(ptr, 16, buf, device_id=index)
             arr = cp.ndarray((2,), dtype=cp.int64, memptr=cp.cuda.MemoryPointer(mem, 0))
             with torch.inference_mode(False):  # (kept across calls, as pinned_empty's)
@@ -244,6 +250,7 @@ def _mapped_ends(buf: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Ten
         return None
     lo, hi = pair[0], pair[1]
     # once per thread and device: the GPU's two numbers must reach the buffer the host reads
+    buf.fill_(0)
     with torch.inference_mode(False):
         torch.aminmax(torch.tensor([-3, 7], device=f"cuda:{index}"), out=(lo, hi))
     torch.cuda.current_stream(index).synchronize()

@@ -730,27 +730,37 @@ class DataGadget:
         # wait for the ids' check: CPU ids are checked on the CPU while it runs, and the
         # two numbers of CUDA ids' check travel back meanwhile; a bad id still raises
         # before the rows are returned
-        if where.type == "cuda" and (check_ids or not _is_cuda_tensor(indexes)):
+        # (unchecked CUDA ids, CuPy's included, keep the plain path; so does an `out` inside
+        # the table, which the gather writes before a check could refuse the ids)
+        if where.type == "cuda":
             indexes = int64_ids(indexes, len(self), where)
-            plan = self._kernel_plan(dev, indexes.numel())
+            checked = check_ids or not indexes.is_cuda
+            plan = self._kernel_plan(dev, indexes.numel()) if checked else None
             if plan is not None:
                 how, view = plan
                 if out is not None:
                     _check_out(out, (*indexes.shape, *self.row_shape), self.dtype, dev)
-                ids, check = checked_after(indexes, len(self), where)
-                if (
-                    how == "kernel"
-                    and ids.dim() == 1
-                    and (out is None or not shares_memory(out, view))
-                ):
-                    # one launch of the row kernel, as the engine's `kernel` strategy would
-                    # make it, without the engine's general bookkeeping
-                    rows = view.new_empty(ids.shape[0], *self.row_shape) if out is None else out
-                    _kernels.gather_rows(view, ids, rows)
-                else:
-                    rows = self._store.gather(ids, dev, out=out, strategy=self._strategy)
-                check()
-                return rows
+                if out is None or not shares_memory(out, view):
+                    ids, check = checked_after(indexes, len(self), where)
+                    try:
+                        if how == "kernel" and ids.dim() == 1:
+                            # one launch of the row kernel, as the engine's `kernel` strategy
+                            # makes it, without the engine's general bookkeeping
+                            rows = (
+                                view.new_empty(ids.shape[0], *self.row_shape)
+                                if out is None
+                                else out
+                            )
+                            _kernels.gather_rows(view, ids, rows)
+                        else:
+                            rows = self._store.gather(ids, dev, out=out, strategy=self._strategy)
+                    except BaseException:
+                        # the check's numbers must land before its buffer serves another
+                        with contextlib.suppress(Exception):
+                            check()
+                        raise
+                    check()
+                    return rows
         ids = as_ids(indexes, len(self), where, check=check_ids)
         if out is not None:
             _check_out(out, (*ids.shape, *self.row_shape), self.dtype, dev)

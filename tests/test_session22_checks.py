@@ -196,6 +196,21 @@ def test_lane_out_inside_the_table() -> None:
 # ---- the in-order scatter ---------------------------------------------------------------
 
 
+def _kernel_names(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the row kernels launched from now on (a list that fills as they are)."""
+    from gadgetloader.transfer import _kernels
+
+    names: list[str] = []
+    real = _kernels._function
+
+    def recording(idx: int, unroll: int, name: str) -> object:
+        names.append(name)
+        return real(idx, unroll, name)
+
+    monkeypatch.setattr(_kernels, "_function", recording)
+    return names
+
+
 @pytest.mark.parametrize("placement", ["pinned", "cuda"])
 @pytest.mark.parametrize(
     "width,dtype",
@@ -209,7 +224,11 @@ def test_lane_out_inside_the_table() -> None:
 )
 @pytest.mark.parametrize("rows_per_block", [None, 3, 32])
 def test_in_order_scatter_writes_what_the_grid_writes(
-    placement: str, width: int, dtype: torch.dtype, rows_per_block: int | None
+    placement: str,
+    width: int,
+    dtype: torch.dtype,
+    rows_per_block: int | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The in-order scatter (one warp per row, ``rows_per_block`` rows a block) writes what
     NumPy's sequential assignment writes: repeats (the last occurrence wins, through
@@ -232,7 +251,9 @@ def test_in_order_scatter_writes_what_the_grid_writes(
     np_expect[ids[inside].numpy()] = new[inside].numpy()  # sequential: the last one wins
     kw = {"blocks_per_sm": _kernels.IN_ORDER, "rows_per_block": rows_per_block}
     s, perm = torch.sort(ids.cuda(), stable=True)
+    names = _kernel_names(monkeypatch)
     _kernels.launch_scatter(t, s, new.cuda(), perm, _kernels.SCATTER_LAST_OF_RUN, **kw)
+    assert names and all(n.startswith("gl_scatter_rows_") for n in names)  # the in-order one
     torch.cuda.synchronize()
     assert torch.equal(t.cpu(), torch.from_numpy(np_expect))
     # distinct ids, every entry written, a device-side count of 400: only those
@@ -276,10 +297,11 @@ def test_in_order_scatter_writes_what_the_grid_writes(
         x.close()
 
 
-def test_in_order_scatter_through_insert_data() -> None:
+def test_in_order_scatter_through_insert_data(monkeypatch: pytest.MonkeyPatch) -> None:
     """A pinned table whose sparse scatters of 512 B rows take the in-order launch (64 KB of
-    table per id), through ``insertData`` with repeated CPU and CUDA ids and a fused
-    scatter of two tables: the table ends as NumPy's sequential assignment leaves it."""
+    table per id), through ``insertData`` of CUDA rows with repeated CPU and CUDA ids and a
+    fused scatter of two tables: the in-order kernel runs, and the table ends as NumPy's
+    sequential assignment leaves it."""
     from gadgetloader.transfer import _engine, _kernels
 
     rows, width = 1 << 18, 128  # 128 MiB of 512 B rows
@@ -294,7 +316,9 @@ def test_in_order_scatter_through_insert_data() -> None:
     new = torch.randn(2048, width)
     expect = src.numpy().copy()
     expect[ids.numpy()] = new.numpy()
-    g.insertData(new, ids)
+    names = _kernel_names(monkeypatch)
+    g.insertData(new.cuda(), ids)
+    assert any(n.startswith("gl_scatter_rows_") for n in names)
     assert np.array_equal(g.getData(torch.arange(rows)).cpu().numpy(), expect)
     new2 = torch.randn(2048, width)
     expect[ids.numpy()] = new2.numpy()
@@ -310,3 +334,28 @@ def test_in_order_scatter_through_insert_data() -> None:
     assert torch.equal(other.getData(u).cpu(), -rows_u.cpu())
     g.close()
     other.close()
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_out_inside_the_table_with_a_bad_id_leaves_the_table_unchanged(on_gpu: bool) -> None:
+    # an `out` that is part of the table is written by the gather itself, so its ids are
+    # checked before it (the table must stay unchanged when an id is refused)
+    src = torch.arange(3000 * 8, dtype=torch.float32).reshape(3000, 8)
+    g = gl.DataGadget(src, placement="pinned", device="cuda")
+    ids = torch.arange(50, 150)
+    ids[-1] = 3000
+    with pytest.raises(GadgetIndexError, match="id 3000 is out of range"):
+        g.getData(ids.cuda() if on_gpu else ids, out=g.as_tensor()[100:200])
+    assert torch.equal(g.getData(torch.arange(3000)).cpu(), src)
+
+
+def test_unchecked_cupy_ids_are_not_checked() -> None:
+    # check_ids=False skips the check of CUDA ids, CuPy's as torch's: an id outside the
+    # table yields a zero row (nothing outside the table is read)
+    cp = pytest.importorskip("cupy")
+    g, src = _table("pinned")
+    got = g.getData(cp.asarray([1, ROWS, 2]), check_ids=False)
+    assert torch.equal(got[0].cpu(), src[1]) and torch.equal(got[2].cpu(), src[2])
+    assert not got[1].any()
+    with pytest.raises(GadgetIndexError):
+        g.getData(cp.asarray([1, ROWS]))

@@ -10,7 +10,8 @@ A store says where its bytes are through two capabilities:
 Gather and scatter are written once, here, against those two views; a placement
 only allocates and frees memory. Stores that hold their rows elsewhere (files)
 override :meth:`gather`, :meth:`scatter`, :meth:`read_block` and
-:meth:`write_block`. Ids reaching a store are already checked int64 tensors.
+:meth:`write_block`. Ids reaching a store are already checked int64 tensors, except those of a GPU gather
+by the row kernels, whose check may finish after it (``DataGadget.getData``).
 """
 
 from __future__ import annotations
@@ -204,9 +205,9 @@ class Store(abc.ABC):
             return
         flat = ids.reshape(-1).cpu()
         plan = last_writer(flat)
-        if shares_memory(src, hv):
-            src = src.clone()  # rows of the table itself: read them all before any write
         if bool(plan.keep.all()):  # no repeats: every row is written as it is
+            if shares_memory(src, hv):
+                src = src.clone()  # rows of the table itself: read them all before any write
             hv.index_copy_(0, flat, src)
             return
         # each id's last occurrence, in the order given: ascending positions read the rows

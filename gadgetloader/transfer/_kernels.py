@@ -13,7 +13,8 @@ Design (see ``DESIGN.md``):
   enough PCIe read requests are outstanding to cover the link's latency.
 * Every row id is checked against the table's row count inside the kernel as a
   last line of defence: a kernel never reads or writes outside a table, even if a
-  caller skipped the host-side check (which raises before any launch).
+  caller skipped the host-side check (which raises before any write; a gather's may
+  finish after its launch).
 * Sorted gathers of narrow rows (and scatters of 512 B to 1 KB rows) from sparse parts of
   a huge host table run one warp per row in blocks started in id order (:data:`IN_ORDER`,
   see :func:`ordered_shape` and :func:`_ordered_launch`).
