@@ -133,7 +133,7 @@ def supported_name(optimizer: Any) -> str:
         ):
             return base.__name__
     raise GadgetTypeError(
-        f"cannot page the state of a {cls.__name__} optimizer; expected one of torch.optim."
+        f"cannot page the state of optimizer class {cls.__name__}; expected one of torch.optim."
         f"{{{', '.join(SUPPORTED_OPTIMIZERS)}}} (or a subclass): their state is elementwise, "
         "so rows of it can live in a table"
     )
