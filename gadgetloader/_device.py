@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +24,7 @@ __all__ = [
     "cupy_available",
     "resolve_placement",
     "resolve_device",
+    "user_stacklevel",
     "warn_fallback",
 ]
 
@@ -88,7 +91,22 @@ def warn_fallback(key: str, message: str) -> None:
     if key in _warned:
         return
     _warned.add(key)
-    warnings.warn(message, FallbackWarning, stacklevel=3)
+    warnings.warn(message, FallbackWarning, stacklevel=user_stacklevel())
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning issued by the caller point at the first
+    frame outside gadgetloader: the user's line, however deep inside the package the
+    warning arose (e.g. a store resolving its placement for ``DataGadget``)."""
+    frame = sys._getframe(1)  # the function that will call warnings.warn
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 def _reset_fallback_warnings() -> None:

@@ -35,6 +35,12 @@ def _available(module: str) -> bool:
 
 
 def _parser() -> argparse.ArgumentParser:
+    return _parsers()[0]
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command line's parser, and each command's own (``"bench sweep"``, ...) by name:
+    a command's usage errors name it (``gadgetloader bench sweep: error: ...``)."""
     p = argparse.ArgumentParser(
         prog="gadgetloader", description="PyTorch tables too big for the GPU."
     )
@@ -45,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     info.add_argument("--no-measure", action="store_true", help="skip the bandwidth measurement")
     info.add_argument("--json", metavar="FILE", help="also write the information as JSON")
+    commands = {"info": info}
 
     bench = sub.add_parser(
         "bench",
@@ -53,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Without SUITE the seed benchmark runs (its options then follow "
         "'bench' directly). `gadgetloader bench SUITE -h` lists a suite's options.",
     )
+    commands["bench"] = bench
     bench.add_argument("--json", metavar="FILE", help="write the results as JSON")
     suites = bench.add_subparsers(dest="suite", required=False, metavar="SUITE")
     importlib.import_module(_SUITES["seed"][0]).add_arguments(bench)  # `bench --rows N` = seed
@@ -61,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
             continue
         sp = suites.add_parser(name, help=help_text, prog=f"{p.prog} bench {name}")
         sp.add_argument("--json", metavar="FILE", help="write the results as JSON")
+        commands[f"bench {name}"] = sp
         importlib.import_module(module).add_arguments(sp)
 
     if _available("gadgetloader.convert"):
@@ -68,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
             "convert", help="convert a table between .npy, HDF5 and zarr (streaming)"
         )
         importlib.import_module("gadgetloader.convert").add_arguments(conv)
-    return p
+        commands["convert"] = conv
+    return p, commands
 
 
 def _write_json(path: str | None, data: Any, command: str) -> int:
@@ -137,11 +147,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = _parser()
+    parser, commands = _parsers()
     words = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(words)
     if args.command == "bench" and args.suite:
-        _check_bench_order(parser, words, args.suite)
+        _check_bench_order(commands["bench"], words, args.suite)
+    # usage errors found below name the command given (`gadgetloader bench sweep: error:`)
+    suite = getattr(args, "suite", None)
+    parser = commands.get(f"{args.command} {suite}" if suite else args.command, parser)
     if args.command in ("bench", "info"):
         _check_json_target(parser, getattr(args, "json", None))
         for option in ("plot", "profile"):

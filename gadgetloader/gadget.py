@@ -81,10 +81,13 @@ def _rows_of(sl: slice, n: int) -> range:
     """The rows a slice selects from a table of ``n`` rows (Python's rules)."""
     try:
         return range(*sl.indices(n))
-    except (TypeError, ValueError) as exc:  # a zero step, a non-integer bound
-        raise (GadgetValueError if isinstance(exc, ValueError) else GadgetTypeError)(
-            f"a slice of rows takes integer bounds and a non-zero step (slice step 0 selects "
-            f"nothing); got {sl!r}"
+    except ValueError:  # a zero step
+        raise GadgetValueError(
+            f"a slice of rows takes a non-zero step (a step of 0 selects nothing); got {sl!r}"
+        ) from None
+    except TypeError:  # a bound or step that is not an integer
+        raise GadgetTypeError(
+            f"a slice of rows takes integer bounds and step (or None); got {sl!r}"
         ) from None
 
 
@@ -385,6 +388,14 @@ class DataGadget:
                 raise GadgetValueError(
                     f"{given} applies to a file path; this source is an array, tensor or shape"
                 )
+        # (a tuple in the first argument is a shape, a list is data: [] is an empty table)
+        if (shape is None and type(fileName) is tuple and not fileName) or (
+            isinstance(shape, (tuple, list)) and not shape
+        ):
+            raise GadgetTypeError(  # (the error class of every other unusable shape)
+                "a table needs at least one axis (rows); got the empty shape () -- pass "
+                "(num_rows,) or (num_rows, row_size, ...)"
+            )
         if fileName is None or _is_shape(fileName):
             raw = shape if shape is not None else fileName
             if not (isinstance(raw, (tuple, list)) and _is_shape(tuple(raw))):
@@ -1041,6 +1052,30 @@ class DataGadget:
         return out
 
     numpy = getNumpyVersion
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        """NumPy's array protocol: ``np.asarray(gadget)`` / ``np.array(gadget)`` read the
+        whole table in one pass (as :meth:`getNumpyVersion`), not row by row.
+
+        A copy unless NumPy asks for none (``np.asarray(gadget, copy=False)``, NumPy 2), which
+        a host-resident table of a NumPy dtype gives as a view (valid until :meth:`close`
+        or :meth:`load`); for any other table that request raises ``ValueError``, as
+        NumPy's protocol asks.
+        """
+        if copy is False:
+            self._store.check_open()
+            if (
+                self._store.host_view() is None
+                or self.dtype == torch.bfloat16
+                or (dtype is not None and np.dtype(dtype) != numpy_dtype(self.dtype))
+            ):
+                raise ValueError(
+                    f"this {self.placement!r} table of {dtype_name(self.dtype)} cannot be viewed "
+                    "as a NumPy array without a copy; drop copy=False"
+                )
+            return self.getNumpyVersion(copy=False)
+        out = self.getNumpyVersion()
+        return out if dtype is None or out.dtype == np.dtype(dtype) else out.astype(dtype)
 
     # ---- initialisers ------------------------------------------------------------------
     def init_(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> DataGadget:

@@ -57,6 +57,22 @@ def non_negative_int(text: str) -> int:
     return _bounded_int(text, 0)
 
 
+def table_dtype(text: str) -> str:
+    """An argparse type for ``--dtype``: a dtype a table can have (its name, as given)."""
+    import argparse
+
+    from .._dtypes import as_torch_dtype
+
+    try:
+        as_torch_dtype(text)
+    except Exception:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a table dtype (float16, bfloat16, float32, float64, int8, "
+            "int16, int32, int64, uint8, bool)"
+        ) from None
+    return text
+
+
 def seed_int(text: str) -> int:
     """An argparse type for ``--seed``: 0 up to 2**62 (every suite derives a few more
     seeds from it, and torch's generators take signed 64-bit seeds)."""

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .._dtypes import as_torch_dtype, dtype_name
-from ._common import format_table, gbps, positive_int, seed_int, time_fn
+from ._common import format_table, gbps, positive_int, seed_int, table_dtype, time_fn
 
 __all__ = ["add_arguments", "run"]
 
@@ -29,9 +29,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--width", type=positive_int, default=128, help="elements per row (default 128)")
     p.add_argument(
-        "--ids", type=positive_int, default=131_072, help="ids per call (default 131,072)"
+        "--ids",
+        type=positive_int,
+        default=131_072,
+        help="ids per call (default 131,072; at most --rows, as the scatter's ids are distinct)",
     )
-    p.add_argument("--dtype", default="float32", help="table dtype (default float32)")
+    p.add_argument(
+        "--dtype", type=table_dtype, default="float32", help="table dtype (default float32)"
+    )
     p.add_argument(
         "--repeats", type=positive_int, default=20, help="timed runs per method (median reported)"
     )
@@ -82,15 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from .. import DataGadget
     from ._common import measure_memcpy
 
-    try:
-        dtype = as_torch_dtype(args.dtype)
-    except Exception:
-        from .._errors import GadgetValueError
-
-        raise GadgetValueError(
-            f"--dtype {args.dtype!r}: expected a table dtype (float16, bfloat16, float32, "
-            "float64, int8, int16, int32, int64, uint8, bool)"
-        ) from None
+    dtype = as_torch_dtype(table_dtype(args.dtype))  # (checked again: run() takes any Namespace)
     cuda = torch.cuda.is_available()
     gen = torch.Generator().manual_seed(args.seed)
     host = _random_table(args.rows, args.width, dtype, gen)

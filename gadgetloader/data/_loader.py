@@ -184,11 +184,19 @@ class GadgetLoader:
             if key in dataloader_kwargs:
                 raise GadgetTypeError(f"GadgetLoader sets DataLoader's {key!r} itself")
         self._device = dataset.device
+        named = ", ".join(map(repr, dataloader_kwargs))  # (for an error message below)
         pin = workers > 0 and self._device.type == "cuda"
         dataloader_kwargs.setdefault("pin_memory", pin)
-        self._dataloader = DataLoader(
-            dataset, batch_sampler=sampler, num_workers=workers, **dataloader_kwargs
-        )
+        try:
+            self._dataloader = DataLoader(
+                dataset, batch_sampler=sampler, num_workers=workers, **dataloader_kwargs
+            )
+        except (TypeError, ValueError) as exc:  # an option DataLoader does not take
+            error = GadgetTypeError if isinstance(exc, TypeError) else GadgetValueError
+            raise error(
+                f"GadgetLoader hands its other keyword arguments ({named}) to torch's "
+                f"DataLoader, which refused them: {exc}"
+            ) from exc
         # without workers (or pinning) DataLoader only adds per-batch bookkeeping (~23 us
         # on the H200 host, a profiler range among it): the sampler is read directly
         self._direct = workers == 0 and not self._dataloader.pin_memory

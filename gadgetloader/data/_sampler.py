@@ -450,8 +450,10 @@ class GadgetSampler(Sampler[Any]):
             raise GadgetTypeError(
                 f"data_source must be a row count or have len(); got {type(data_source).__name__}"
             )
-        if n <= 0:
-            raise GadgetValueError(f"cannot sample from an empty dataset: it has {n} rows")
+        if n < 0:
+            raise GadgetValueError(f"a row count must be positive; got {n}")
+        if n == 0:
+            raise GadgetValueError("cannot sample from an empty dataset: it has 0 rows")
         self._num_rows = int(n)
         self._batch_size = _check_int(batch_size, "batch_size", minimum=1)
         if order not in ORDERS:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the torch idiom)
 from torch import nn
 
-from .._device import cupy_available, resolve_device
+from .._device import cupy_available, resolve_device, user_stacklevel
 from .._dtypes import as_torch_dtype, dtype_name
 from .._errors import GadgetTypeError, GadgetValueError, as_count, as_flag
 from .._ids import as_ids, range_check_of
@@ -1047,7 +1047,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 "tables are not parameters, so model.parameters() does not reach them; pass the "
                 "model (or its embedding modules) instead",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=user_stacklevel(),
             )
         for m in tables:
             if m._attached:
