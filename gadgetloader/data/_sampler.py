@@ -451,7 +451,7 @@ class GadgetSampler(Sampler[Any]):
                 f"data_source must be a row count or have len(); got {type(data_source).__name__}"
             )
         if n < 0:
-            raise GadgetValueError(f"a row count must be positive; got {n}")
+            raise GadgetValueError(f"a row count must be positive; got {n} rows")
         if n == 0:
             raise GadgetValueError("cannot sample from an empty dataset: it has 0 rows")
         self._num_rows = int(n)

@@ -12,6 +12,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from .._errors import GadgetError, GadgetFileError, ReadOnlyError
+
 __all__ = [
     "InterruptedAfterWrite",
     "resolved_target",
@@ -81,6 +83,21 @@ def replace_atomically(tmp: str | os.PathLike[str], target: str | os.PathLike[st
     the file it names is replaced. Other hard links to the old file keep the old data."""
     tmp_p, target_p = Path(tmp), resolved_target(target)
     _keep_attributes(target_p, tmp_p)
+    try:
+        _replace(tmp_p, target_p)
+    except OSError as exc:
+        if isinstance(exc, GadgetError):
+            raise
+        # (an immutable or protected target, a vanished folder: the old file is kept)
+        error = ReadOnlyError if isinstance(exc, PermissionError) else GadgetFileError
+        raise error(
+            f"cannot put the new {target_p} in place of the old one ({exc}); the old file is "
+            "kept as it was"
+        ) from exc
+    _fsync_dir(target_p.parent)
+
+
+def _replace(tmp_p: Path, target_p: Path) -> None:
     if tmp_p.is_dir() and target_p.exists():
         aside = temp_path_beside(target_p, tag="old")
         os.replace(target_p, aside)
@@ -95,7 +112,6 @@ def replace_atomically(tmp: str | os.PathLike[str], target: str | os.PathLike[st
         remove_path(aside)
     else:
         os.replace(tmp_p, target_p)
-    _fsync_dir(target_p.parent)
 
 
 class InterruptedAfterWrite(KeyboardInterrupt):

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .._dtypes import numpy_dtype
+from .._errors import GadgetValueError
 
 __all__ = ["ArraySink", "ArraySource", "SourceShape"]
 
@@ -126,11 +127,47 @@ class ArraySink(abc.ABC):
 
     @abc.abstractmethod
     def write(self, start: int, rows: np.ndarray) -> None:
-        """Write the C-contiguous block ``rows`` at row ``start``."""
+        """Write the C-contiguous block ``rows`` at row ``start`` (rows of another dtype are
+        converted, as NumPy assigns them; a block that does not fit the file's shape raises
+        :class:`~gadgetloader.GadgetValueError` and writes nothing)."""
 
     @abc.abstractmethod
     def commit(self) -> None:
-        """Flush, fsync and atomically move the file into place."""
+        """Flush, fsync and atomically move the file into place. A file with rows never
+        written raises :class:`~gadgetloader.GadgetValueError` and is removed instead (the
+        previous target, if any, is kept)."""
+
+    def _accept(self, start: int, rows: np.ndarray) -> None:
+        """Check that the block ``rows`` fits at row ``start`` of this sink's shape, and
+        note the rows it covers (for :meth:`_require_complete`)."""
+        shape = tuple(int(s) for s in self.shape)  # type: ignore[attr-defined]
+        if rows.ndim != len(shape) or tuple(rows.shape[1:]) != shape[1:]:
+            raise GadgetValueError(
+                f"a block of rows of shape (n, {', '.join(map(str, shape[1:]))}) was expected for "
+                f"this {shape} file; got a block of shape {tuple(rows.shape)}"
+            )
+        n = int(rows.shape[0])
+        if not isinstance(start, (int, np.integer)) or start < 0 or start + n > shape[0]:
+            raise GadgetValueError(
+                f"rows {start}:{start + n} do not fit this file's {shape[0]} rows"
+            )
+        if n:
+            self.__dict__.setdefault("_spans", []).append((int(start), int(start) + n))
+
+    def _require_complete(self) -> None:
+        """Before a commit: raise (and remove the partial file) if any row was never written,
+        which the file would otherwise hold as zeros or its fill value."""
+        total = int(self.shape[0])  # type: ignore[attr-defined]
+        covered, end = 0, 0
+        for a, b in sorted(self.__dict__.get("_spans", [])):
+            if b > end:
+                covered += b - max(a, end)
+                end = b
+        if covered < total:
+            self.abort()
+            raise GadgetValueError(
+                f"only {covered} of this file's {total} rows were written: nothing was saved"
+            )
 
     @abc.abstractmethod
     def abort(self) -> None:

@@ -255,8 +255,16 @@ def check_compression(
 _LEVELS = {"gzip": (0, 9), "zstd": (-131072, 22), "blosc": (0, 9)}
 
 
-def check_level(compression: str | None, level: Any, fmt: str, path: object) -> int | None:
+def check_level(
+    compression: str | None,
+    level: Any,
+    fmt: str,
+    path: object,
+    compressions: tuple[str, ...] = tuple(_LEVELS),
+) -> int | None:
     """``compression_level`` as an int in the compressor's range (None: its default).
+    ``compressions``: those the format takes (named in the message for a compressor without
+    levels).
 
     Raises
     ------
@@ -270,7 +278,7 @@ def check_level(compression: str | None, level: Any, fmt: str, path: object) -> 
         raise GadgetValueError(
             f"compression_level={level!r} for {path}: {fmt} compression "
             f"{compression or 'none'!r} takes no level (levels apply to "
-            f"{sorted(k for k in _LEVELS)})"
+            f"{sorted(k for k in _LEVELS if k in compressions)})"
         )
     lo, hi = _LEVELS[compression]
     if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or not lo <= level <= hi:

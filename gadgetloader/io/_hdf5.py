@@ -297,6 +297,91 @@ def _dangling_link(f: Any, h5py: ModuleType, name: str) -> str | None:
     return None
 
 
+def _resolve_row_file(name: str, home: str, env: str, beside_home: bool) -> list[str]:
+    """Where HDF5 looks for a file a dataset's rows live in, in its order: under the
+    prefix in the environment variable ``env``, then (a virtual dataset's sources only)
+    beside ``home``, then relative to the working directory."""
+    if os.path.isabs(name):
+        return [name]
+    prefix = os.environ.get(env)
+    out = [os.path.abspath(os.path.join(p, name)) for p in (prefix or "").split(os.pathsep) if p]
+    if beside_home:
+        out.append(os.path.join(os.path.dirname(os.path.abspath(home)), name))
+    out.append(os.path.abspath(name))
+    return out
+
+
+def _rows_elsewhere(obj: Any, home: str, where: str, h5py: ModuleType) -> tuple[str, list[str]]:
+    """For a dataset whose rows are stored outside its own file -- a virtual dataset (rows
+    mapped from datasets in other files) or one with external raw storage -- what it is and
+    the files its rows are read from; ``("", [])`` for an ordinary dataset.
+
+    HDF5 reads rows whose file is missing (or cut short) as the fill value, which would pass
+    for data: a missing source file, a missing source dataset, or an external file shorter
+    than its segment raises :class:`GadgetFileError` instead."""
+    files: list[str] = []
+    if getattr(obj, "is_virtual", False):
+        for src in obj.virtual_sources():
+            name = src.file_name
+            if name == "." or "%" in name:  # this file; a printf-style name pattern
+                continue
+            found = [
+                c
+                for c in _resolve_row_file(name, home, "HDF5_VDS_PREFIX", True)
+                if os.path.isfile(c)
+            ]
+            if not found:
+                raise GadgetFileError(
+                    f"{where} is an HDF5 virtual dataset with rows in {name!r}, which cannot be "
+                    "found (HDF5 would read those rows as the fill value); put that file back, or "
+                    "open the source datasets themselves"
+                )
+            path = found[0]
+            try:
+                with h5py.File(path, "r") as sf:
+                    present = isinstance(sf.get(src.dset_name), h5py.Dataset)
+            except OSError as exc:
+                raise GadgetFileError(
+                    f"{where} is an HDF5 virtual dataset with rows in {path}, which cannot be "
+                    f"opened ({exc})"
+                ) from None
+            if not present:
+                raise GadgetFileError(
+                    f"{where} is an HDF5 virtual dataset with rows in {path}[{src.dset_name!r}], "
+                    "which is not in that file (HDF5 would read those rows as the fill value)"
+                )
+            if path not in files:
+                files.append(path)
+        return "an HDF5 virtual dataset (its rows live in other files)", files
+    external = getattr(obj, "external", None)
+    if external:
+        need = int(obj.size) * int(obj.dtype.itemsize)
+        have = 0
+        for name, offset, size in external:
+            name = os.fsdecode(name)
+            found = [
+                c
+                for c in _resolve_row_file(name, home, "HDF5_EXTFILE_PREFIX", False)
+                if os.path.isfile(c)
+            ]
+            if not found:
+                raise GadgetFileError(
+                    f"{where} stores its rows in the external file {name!r}, which cannot be found"
+                )
+            path = found[0]
+            have += max(0, min(int(size), os.path.getsize(path) - int(offset)))
+            if path not in files:
+                files.append(path)
+        if have < need:
+            raise GadgetFileError(
+                f"{where} stores its rows in external files ({', '.join(files)}) that hold "
+                f"{have} of the {need} bytes its rows need: truncated? (HDF5 would read the "
+                "rest as zeros)"
+            )
+        return "an HDF5 dataset with external raw storage", files
+    return "", files
+
+
 class Hdf5Source(ArraySource):
     """Rows of one dataset in an HDF5 file.
 
@@ -419,7 +504,15 @@ class Hdf5Source(ArraySource):
                 self.link_target: tuple[str, str] | None = (
                     (home, obj.name.lstrip("/")) if self.external else None
                 )
-                self.watch_paths = (self.path, home) if self.external else (self.path,)
+                self.watch_paths: tuple[str, ...] = (
+                    (self.path, home) if self.external else (self.path,)
+                )
+                #: a virtual dataset's or external raw storage's files: read only (writes would
+                #: go into those files), and watched for replacement like the file itself
+                self.stored_as, row_files = _rows_elsewhere(
+                    obj, home, f"{self.path}[{dataset.strip('/')!r}]", h5py
+                )
+                self.watch_paths += tuple(p for p in row_files if p not in self.watch_paths)
                 #: the dataset object itself (file and header address): soft links and other
                 #: spellings of one dataset share caches and locks
                 info = h5py.h5o.get_info(obj.id)
@@ -457,7 +550,11 @@ class Hdf5Source(ArraySource):
     # ---- handles ----------------------------------------------------------------------
     def writes_in_place(self) -> bool:
         """Rows of a dataset behind an external link are not written in place."""
-        return bool(self.supports_writes) and not getattr(self, "external", False)
+        return (
+            bool(self.supports_writes)
+            and not getattr(self, "external", False)
+            and not getattr(self, "stored_as", "")
+        )
 
     def read_only_reason(self) -> str | None:
         """Why rows cannot be written here: the dataset was reached through an external
@@ -470,6 +567,11 @@ class Hdf5Source(ArraySource):
                 "rows are written only into the file the table opened, and "
                 f"{self.path}[{self.dataset!r}] is an HDF5 external link to {home}[{name!r}]; "
                 f"open {home} with dataset={name!r} to write those rows in place"
+            )
+        if getattr(self, "stored_as", ""):
+            return (
+                f"rows are written only into the file the table opened, and "
+                f"{self.path}[{self.dataset!r}] is {self.stored_as}"
             )
         return None
 
@@ -1172,7 +1274,7 @@ class Hdf5Sink(ArraySink):
         self.dtype = dtype
         self.dataset = check_dataset_name(dataset or None, "HDF5", self.path) or DEFAULT_DATASET
         comp = check_compression(compression, _COMPRESSIONS, "HDF5", self.path)
-        compression_level = check_level(comp, compression_level, "HDF5", self.path)
+        compression_level = check_level(comp, compression_level, "HDF5", self.path, _COMPRESSIONS)
         npd = numpy_dtype(dtype)
         row_nbytes = int(np.prod(self.shape[1:], dtype=np.int64)) * npd.itemsize
         self.chunk_rows = default_chunk_rows(row_nbytes, self.shape[0], chunk_rows)
@@ -1226,9 +1328,11 @@ class Hdf5Sink(ArraySink):
             raise GadgetFileError(f"cannot save {self.path}: cannot {what} ({exc})") from exc
 
     def write(self, start: int, rows: np.ndarray) -> None:
+        self._accept(start, rows)
         self._aligner.write(start, as_bits(rows, self.dtype))
 
     def commit(self) -> None:
+        self._require_complete()
         self._aligner.flush()
         with self._errors("flush the file"):
             self._f.flush()

@@ -248,11 +248,14 @@ class NpySink(ArraySink):
 
     def write(self, start: int, rows: np.ndarray) -> None:
         assert self._f is not None
+        self._accept(start, rows)
+        block = np.ascontiguousarray(rows, dtype=self._npd)  # (another dtype: converted)
         self._f.seek(self._offset + start * self._row_nbytes)
-        self._f.write(np.ascontiguousarray(rows).reshape(-1).view(np.uint8).data)
+        self._f.write(block.reshape(-1).view(np.uint8).data)
 
     def commit(self) -> None:
         assert self._f is not None
+        self._require_complete()
         total = self._offset + self.shape[0] * self._row_nbytes
         self._f.truncate(total)
         self._f.flush()

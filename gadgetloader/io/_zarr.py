@@ -521,7 +521,7 @@ class ZarrSink(ArraySink):
         self.dtype = dtype
         dataset = check_dataset_name(dataset or None, "zarr", self.path)
         comp = check_compression(compression, _COMPRESSIONS, "zarr", self.path)
-        compression_level = check_level(comp, compression_level, "zarr", self.path)
+        compression_level = check_level(comp, compression_level, "zarr", self.path, _COMPRESSIONS)
         npd = numpy_dtype(dtype)
         row_nbytes = int(np.prod(self.shape[1:], dtype=np.int64)) * npd.itemsize
         self.chunk_rows = default_chunk_rows(row_nbytes, self.shape[0], chunk_rows)
@@ -575,9 +575,11 @@ class ZarrSink(ArraySink):
             raise
 
     def write(self, start: int, rows: np.ndarray) -> None:
+        self._accept(start, rows)
         self._aligner.write(start, as_bits(rows, self.dtype))
 
     def commit(self) -> None:
+        self._require_complete()
         self._aligner.flush()
         fsync_tree(self._tmp)
         replace_atomically(self._tmp, self.path)
