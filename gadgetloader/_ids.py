@@ -20,6 +20,7 @@ from ._device import pinned_empty
 from ._errors import GadgetIndexError, GadgetTypeError, GadgetValueError
 
 __all__ = [
+    "GuardedCheck",
     "as_ids",
     "check_range",
     "checked_after",
@@ -27,6 +28,7 @@ __all__ = [
     "last_writer",
     "LastWriter",
     "range_check_of",
+    "start_guarded_check",
     "start_range_check",
 ]
 
@@ -255,6 +257,37 @@ def _mapped_ends(buf: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Ten
         torch.aminmax(torch.tensor([-3, 7], device=f"cuda:{index}"), out=(lo, hi))
     torch.cuda.current_stream(index).synchronize()
     return (lo, hi) if buf.tolist() == [-3, 7] else None
+
+
+class GuardedCheck:
+    """A pending range check of CUDA ids whose (smallest, largest) id also lies in
+    ``ends``, a 2-element int64 tensor on the ids' device: a scatter kernel given it
+    writes nothing when an id is out of range, so the write can be queued before the
+    check's result reaches the host. Calling it finishes the check (waits for the two
+    numbers, raises :class:`GadgetIndexError`)."""
+
+    __slots__ = ("_finish", "ends")
+
+    def __init__(self, ends: torch.Tensor, finish: Callable[[], None]) -> None:
+        self.ends = ends
+        self._finish = finish
+
+    def __call__(self) -> None:
+        self._finish()
+
+
+def start_guarded_check(ids: torch.Tensor, num_rows: int) -> GuardedCheck:
+    """Queue the range check of non-empty CUDA ``ids`` with its two numbers kept on the
+    GPU as well (see :class:`GuardedCheck`): one ``aminmax`` into device memory and a
+    16-byte copy to the thread's page-locked pair."""
+    flat = ids.reshape(-1)
+    ends = torch.empty(2, dtype=torch.int64, device=ids.device)
+    torch.aminmax(flat, out=(ends[0], ends[1]))
+    if _ends.buf is None:
+        _ends.buf = pinned_empty(2, torch.int64)
+    _ends.buf.copy_(ends, non_blocking=True)
+    done = torch.cuda.current_stream(ids.device).record_event()
+    return GuardedCheck(ends, range_check_of(_ends.buf, num_rows, done))
 
 
 def start_range_check(ids: torch.Tensor, num_rows: int, *, private: bool = False) -> Any:

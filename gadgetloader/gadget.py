@@ -25,7 +25,7 @@ from ._errors import (
     as_flag,
     table_mismatch,
 )
-from ._ids import _WIDE_UNSIGNED, as_ids, checked_after, int64_ids
+from ._ids import _WIDE_UNSIGNED, as_ids, checked_after, int64_ids, start_guarded_check
 from ._paths import as_path
 from .stores import Store, empty_store
 from .stores._base import gather_many as gather_stores
@@ -820,6 +820,9 @@ class DataGadget:
         written (the rows are read, changed and written back).
         ``check_ids=False`` skips the synchronising range check of CUDA ids (see
         :meth:`getData`); unchecked out-of-range ids are then skipped by the kernel.
+        Checked CUDA ids written by the GPU kernels are checked alongside the write: the
+        kernel is queued first and writes nothing if an id is out of range, and the
+        call returns (or raises) once the check's result is back.
 
         Raises
         ------
@@ -840,11 +843,11 @@ class DataGadget:
             part = self._part_data(dataObject, view)
             view[...] = part  # (a view of rows: basic indexing only, see _apply_rest)
             dataObject, indexes = rows, ids_only
-        data, ids = self._insert_args(dataObject, indexes, check_ids)
+        data, ids, check = self._insert_args(dataObject, indexes, check_ids)
         if ids.numel() == 0:
             return
         try:
-            self._store.scatter(ids, data, strategy=self._strategy)
+            self._store.scatter(ids, data, strategy=self._strategy, check=check)
         finally:
             self._wrote()
 
@@ -901,8 +904,12 @@ class DataGadget:
 
     def _insert_args(
         self, dataObject: Any, indexes: Any, check_ids: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Checked (data, ids) for a write; raises before anything is written."""
+    ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
+        """Checked (data, ids, pending id check) for a write; raises before anything is
+        written. CUDA ids are range-checked by a check queued on the GPU (see
+        :func:`~gadgetloader._ids.start_guarded_check`) that the store finishes: a GPU
+        write is queued first and writes nothing if an id is bad, so the check's round
+        trip overlaps it; other writes finish the check before they start."""
         data = self._write_data(dataObject)
         cuda_dev = self._store.cuda_device
         target = data.device if data.is_cuda else torch.device("cpu")
@@ -910,15 +917,20 @@ class DataGadget:
             indexes,
             len(self),
             self._store.ids_device(target if cuda_dev is not None else torch.device("cpu")),
-            check=check_ids,
+            check=False,  # CPU ids are checked here all the same; CUDA ids just below
         )
+        check: Callable[[], None] | None = None
+        if check_ids and ids.is_cuda and ids.numel():
+            check = start_guarded_check(ids, len(self))
         expected = (*ids.shape, *self.row_shape)
         if tuple(data.shape) != expected:
+            if check is not None:
+                check()  # bad ids are reported first, as for CPU ids
             raise GadgetValueError(
                 f"insertData expected data of shape {expected} (ids shape {tuple(ids.shape)} + row "
                 f"shape {self.row_shape}) but got {tuple(data.shape)}"
             )
-        return data, ids
+        return data, ids, check
 
     def _write_data(self, dataObject: Any) -> torch.Tensor:
         """``dataObject`` as a tensor, checked for the table's dtype and device."""
@@ -1551,7 +1563,9 @@ def scatter_many(gadgets: Any, rows: Any, indexes: Any, *, check_ids: bool = Tru
         try:
             g._store.check_writable()
             g._check_no_waiting_lookup("scatter_many into this table")
-            data, ids = g._insert_args(r, ids, check_ids if k == 0 else False)
+            data, ids, pending = g._insert_args(r, ids, check_ids if k == 0 else False)
+            if pending is not None:
+                pending()
         except GadgetError as exc:  # say which table, keeping the error's class
             raise type(exc)(f"table {k} of {len(group)}: {exc}") from exc
         checked.append((data, ids))

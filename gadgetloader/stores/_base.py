@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar, NoReturn
 
 import torch
@@ -172,13 +173,16 @@ class Store(abc.ABC):
         *,
         unique: bool = False,
         ids_sorted: bool = False,
+        check: Callable[[], None] | None = None,
     ) -> None:
         """``table[ids] = rows``; a repeated id takes its *last* occurrence's row.
 
-        ``unique=True`` promises distinct ids, which lets the GPU path skip the sort
-        that merges repeats (results with repeated ids are then undefined);
+        ``unique=True`` promises distinct ids, which lets the GPU path skip the merge
+        of repeats (results with repeated ids are then undefined);
         ``ids_sorted=True`` with it promises they ascend too (a row plan's), for the
-        GPU kernel's launch shape (any order gives the same result).
+        GPU kernel's launch shape (any order gives the same result). ``check``: a
+        pending check of the ids (it raises if they are bad), called before anything
+        is written (on the GPU path after the merge of repeats is queued).
         """
         self.check_writable()
         dv = self.device_view()
@@ -192,8 +196,11 @@ class Store(abc.ABC):
                 host=hv,
                 unique=unique,
                 ids_sorted=ids_sorted,
+                check=check,
             )
             return
+        if check is not None:
+            check()
         if hv is None:
             self._closed_meanwhile()
         src = rows.reshape(ids.numel(), *self.row_shape).cpu()

@@ -24,6 +24,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -790,10 +791,14 @@ class FileStore(Store):
         *,
         unique: bool = False,
         ids_sorted: bool = False,
+        check: Callable[[], None] | None = None,
     ) -> None:
         """``table[ids] = rows`` written through to the file; a repeated id takes its last row.
 
-        ``ids_sorted`` (a launch-shape hint for in-memory stores) does not apply here."""
+        ``ids_sorted`` (a launch-shape hint for in-memory stores) does not apply here;
+        ``check`` (a pending check of the ids) is called before anything is done."""
+        if check is not None:
+            check()
         self.check_writable()
         with self._guard():
             self._scatter(ids, rows, strategy, unique=unique)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,6 +50,14 @@ SORT_FROM_IDS = 1 << 18
 #: wide rows reach the link anyway -- on the H200's 64 GB table, 1 KB rows sorted 45 GB/s and
 #: 4 KB rows 50 GB/s, against 24-34 GB/s with the CPU taking a share
 HYBRID_MAX_ROW_BYTES = 1024
+
+#: a scatter with repeated ids merges them without a sort (:func:`_kernels.launch_last_slots`:
+#: a slot per table row, 4 bytes of GPU memory each) on tables of at most this many rows and
+#: :data:`SORT_ABOVE_BYTES` bytes, for fewer than :data:`SORT_FROM_IDS` ids -- where a gather
+#: would not sort either, so address order buys nothing. On the H200 (seed scatter, 1M x
+#: 128 float32 pinned table, 131,072 ids) the merge took 0.30 ms as a stable sort and
+#: last-of-run mask (DESIGN.md, "The seed scatter's repeat merge")
+SLOT_MERGE_MAX_ROWS = 1 << 24
 
 #: ``auto`` considers ``hybrid`` only from this many ids: below it the CPU share's fixed
 #: costs (a stream synchronisation, a staging copy, thread start-up) outweigh its gain
@@ -92,8 +101,10 @@ def resolve_strategy(
     :data:`HYBRID_MAX_ROW_BYTES`), else ``hybrid`` where the table has a host view
     (which :func:`gather_many` replaces by ``sorted`` where that measured faster in this
     process, see :data:`_TUNED`).
-    Scatters always sort (that is how repeats are merged), so ``auto`` scatters with
-    ``kernel``. Without CuPy every strategy but ``torch`` becomes ``torch``.
+    Scatters merge repeated ids by sorting them (which also walks a large table in
+    address order) or, on small tables, by a sort-free pass (see :func:`scatter`), so
+    ``auto`` scatters with ``kernel``. Without CuPy every strategy but ``torch`` becomes
+    ``torch``.
     """
     if strategy not in STRATEGIES:
         raise GadgetKeyError(f"Unknown strategy {strategy!r}; expected one of {list(STRATEGIES)}")
@@ -481,18 +492,32 @@ def scatter(
     *,
     unique: bool = False,
     ids_sorted: bool = False,
+    check: Callable[[], None] | None = None,
 ) -> None:
     """``table[ids] = rows`` in place; for a repeated id the *last* occurrence wins.
 
     ``rows`` is a CUDA tensor of shape ``ids.shape + row shape`` and the table's dtype.
-    The ids are sorted (stably) on the GPU and the kernel writes only the last entry of
-    each run of equal ids, so the result is deterministic and the writes walk the
-    table in address order. ``unique=True`` promises distinct ids (the switchers' row
-    plans): the sort is skipped and every entry is written in the order given;
+    Repeated ids are merged on the GPU so that only each id's last entry is written,
+    whatever the strategy, and the result is deterministic: the ``kernel`` strategy
+    on a table of at most :data:`SLOT_MERGE_MAX_ROWS` rows and :data:`SORT_ABOVE_BYTES`
+    bytes, for fewer than :data:`SORT_FROM_IDS` ids, marks each id's last position in a
+    slot array (two small launches, no sort) and writes in the order given; otherwise
+    the ids are sorted (stably) and the kernel writes the last entry of each run of
+    equal ids, walking the table in address order. ``unique=True`` promises distinct ids
+    (the switchers' row plans): no merge, every entry is written in the order given;
     ``ids_sorted=True`` with it says they also ascend (a row plan's do), which gives
     sparse requests the launch shape of :func:`_kernels.ordered_shape`.
+
+    ``check``: a function that raises if the ids are bad (a pending range check, see
+    :func:`gadgetloader._ids.start_range_check`); it is called after the merge is queued
+    and before anything is written, so the GPU merges while the check's result travels.
+    A :class:`gadgetloader._ids.GuardedCheck` (its two numbers on the GPU too) is called
+    after the kernels are queued instead: they write nothing if an id is bad, and the
+    check's round trip overlaps the write (``torch`` and ``hybrid`` check first).
     """
-    scatter_many([table], ids, [rows], strategy, [host], unique=unique, ids_sorted=ids_sorted)
+    scatter_many(
+        [table], ids, [rows], strategy, [host], unique=unique, ids_sorted=ids_sorted, check=check
+    )
 
 
 def scatter_many(
@@ -505,6 +530,7 @@ def scatter_many(
     unique: bool = False,
     count: torch.Tensor | None = None,
     ids_sorted: bool = False,
+    check: Callable[[], None] | None = None,
 ) -> None:
     """Scatter the same ids into several tables at once (one fused launch per four
     tables up to :data:`FUSE_MAX_BYTES` together, else one per table); ``rows[k]`` goes
@@ -535,6 +561,8 @@ def scatter_many(
             )
     flat = _ids_on(ids.reshape(-1), first.device)  # the kernels read ids densely
     if n == 0 or math.prod(first.shape[1:]) == 0:
+        if check is not None:
+            check()
         return
     srcs = []
     for table, r in zip(tables, rows, strict=True):
@@ -547,6 +575,8 @@ def scatter_many(
     if count is not None:
         if not unique:
             raise GadgetValueError("a scatter with a count needs distinct ids (unique=True)")
+        if check is not None:
+            check()
         if how in ("kernel", "sorted"):  # a plan's ids: ascending
             for g in _groups(tables):
                 _kernels.launch_scatter(
@@ -558,12 +588,38 @@ def scatter_many(
             tables, flat[:k], [r[:k] for r in srcs], how, hosts, unique=True, ids_sorted=ids_sorted
         )
         return
+    # a guarded check (its two numbers on the GPU too) lets the kernels be queued first:
+    # they write nothing if an id is bad, and the check's round trip overlaps the write
+    guard = getattr(check, "ends", None)
+    if not isinstance(guard, torch.Tensor) or guard.device != first.device:
+        guard = None
+    if not unique and how == "kernel" and _slot_merge(first, n):
+        slot = torch.empty(first.shape[0], dtype=torch.int32, device=first.device)
+        _kernels.launch_last_slots(flat, slot)
+        if check is not None and guard is None:
+            check()  # the GPU marks the last writers while the check's numbers travel
+        for g in _groups(tables):
+            _kernels.launch_scatter(
+                tables[g],
+                flat,
+                srcs[g],
+                None,
+                _kernels.SCATTER_LAST_BY_SLOT,
+                slot=slot,
+                guard=guard,
+            )
+        if check is not None and guard is not None:
+            check()
+        return
     ascending = ids_sorted or not unique  # sorted here unless the ids are promised distinct
     if unique:
         sorted_ids, pos, mode = flat, None, _kernels.SCATTER_ALL
     else:
         sorted_ids, pos = torch.sort(flat, stable=True)
         mode = _kernels.SCATTER_LAST_OF_RUN
+    if check is not None and (guard is None or how in ("torch", "hybrid")):
+        check()
+        check = None
     if how in ("torch", "hybrid"):
         keep = _last_of_run(sorted_ids) if not unique else None
         sel_ids, sel_pos = sorted_ids, pos
@@ -578,7 +634,23 @@ def scatter_many(
                 _hybrid_scatter(table, host, sel_ids, picked, ordered=ascending)
         return
     for g in _groups(tables):
-        _kernels.launch_scatter(tables[g], sorted_ids, srcs[g], pos, mode, ordered=ascending)
+        _kernels.launch_scatter(
+            tables[g], sorted_ids, srcs[g], pos, mode, ordered=ascending, guard=guard
+        )
+    if check is not None:
+        check()
+
+
+def _slot_merge(table: torch.Tensor, n: int) -> bool:
+    """Whether a ``kernel`` scatter of ``n`` ids with repeats into ``table`` merges them by
+    last-writer slots rather than a sort (see :data:`SLOT_MERGE_MAX_ROWS`)."""
+    rows = table.shape[0]
+    return (
+        table.is_cuda
+        and n < SORT_FROM_IDS
+        and rows <= SLOT_MERGE_MAX_ROWS
+        and rows * _kernels.pitch_nbytes(table) <= SORT_ABOVE_BYTES
+    )
 
 
 def _count_value(count: torch.Tensor, n: int) -> int:

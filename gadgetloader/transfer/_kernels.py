@@ -47,11 +47,13 @@ __all__ = [
     "MAX_TABLES",
     "FusedLauncher",
     "SCATTER_ALL",
+    "SCATTER_LAST_BY_SLOT",
     "SCATTER_LAST_OF_RUN",
     "group_geometry",
     "launch_plan",
     "launch_segment_sum",
     "launch_gather",
+    "launch_last_slots",
     "launch_scatter",
     "pitch_nbytes",
     "segments_of",
@@ -68,8 +70,9 @@ BLOCK = 256
 MAX_TABLES = 4
 
 #: scatter modes: write every id as given (distinct ids); ids sorted stably, only the
-#: last entry of each run of equal ids writes (the last occurrence wins)
-SCATTER_ALL, SCATTER_LAST_OF_RUN = 0, 1
+#: last entry of each run of equal ids writes (the last occurrence wins); ids in any
+#: order, only the entry named by the id's slot (:func:`launch_last_slots`) writes
+SCATTER_ALL, SCATTER_LAST_OF_RUN, SCATTER_LAST_BY_SLOT = 0, 1, 2
 
 _SOURCE = r"""
 // Up to four tables of one row layout move in one launch. Two ways to spread them:
@@ -89,8 +92,16 @@ struct GatherArgs {
 struct ScatterArgs {
     void* table[4]; const void* rows[4];
     long long n_rows, vpr, pitch, segs; const long long* ids; const long long* pos;
-    long long mode, n; const long long* count;
+    long long mode, n; const long long* count; const int* slot; const long long* ends;
 };
+
+// A write guarded by its ids' (smallest, largest) pair on the device (a range check
+// whose result the host has not read yet): any id outside the table, and nothing is
+// written at all.
+__device__ __forceinline__ bool refused(const ScatterArgs& a)
+{
+    return a.ends && (a.ends[0] < 0 || a.ends[1] >= a.n_rows);
+}
 
 // q = k / d, r = k - q * d; with 32-bit arithmetic when everything fits (64-bit division
 // is emulated and costs several times more instructions per vector moved)
@@ -164,12 +175,25 @@ __device__ __forceinline__ void gather_rows_in_order(const GatherArgs& a)
     }
 }
 
+// Whether entry j (id r, inside the table) writes. mode 0: every entry (distinct ids);
+// mode 1: ids sorted stably, a repeat that a later entry overwrites is skipped; mode 2:
+// ids in any order, and the entry whose position gl_last_slot left in r's slot writes
+// (the largest position naming r: its last occurrence).
+__device__ __forceinline__ bool wins_slot(const ScatterArgs& a, long long j, long long r,
+                                          long long n)
+{
+    if (a.mode == 0) return true;
+    if (a.mode == 1) return j + 1 == n || a.ids[j + 1] != r;
+    return a.slot[r] == (int)j;
+}
+
 template <typename V>
 __device__ __forceinline__ void scatter_rows(const ScatterArgs& a)
 {
     const int y = blockIdx.y;
     V* __restrict__ table = (V*)a.table[y];
     const long long span = a.vpr * a.segs;
+    if (refused(a)) return;
     const long long n = a.count ? min(max(*a.count, 0LL), a.n) : a.n;
     const long long total = n * span;
     const long long stride = (long long)blockDim.x * gridDim.x;
@@ -186,9 +210,7 @@ __device__ __forceinline__ void scatter_rows(const ScatterArgs& a)
                 long long j, cc;
                 divmod(k, span, small, j, cc);
                 const long long r = a.ids[j];
-                // mode 1: ids sorted stably; a repeat that a later entry overwrites is skipped
-                const bool wins = a.mode == 0 || j + 1 == n || a.ids[j + 1] != r;
-                if (wins && r >= 0 && r < a.n_rows) {  // never write outside
+                if (r >= 0 && r < a.n_rows && wins_slot(a, j, r, n)) {  // never write outside
                     long long s = 0, c = cc;
                     if (a.segs > 1) divmod(cc, a.vpr, small, s, c);
                     v[u] = ((const V*)a.rows[y + s])[(a.pos ? a.pos[j] : j) * a.vpr + c];
@@ -210,10 +232,9 @@ __device__ __forceinline__ void scatter_rows_in_order(const ScatterArgs& a)
 {
     const long long n = a.count ? min(max(*a.count, 0LL), a.n) : a.n;
     const long long j = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (j >= n) return;
+    if (j >= n || refused(a)) return;
     const long long r = a.ids[j];
-    const bool wins = a.mode == 0 || j + 1 == n || a.ids[j + 1] != r;
-    if (!wins || r < 0 || r >= a.n_rows) return;  // never write outside
+    if (r < 0 || r >= a.n_rows || !wins_slot(a, j, r, n)) return;  // never write outside
     const int y = blockIdx.y;
     V* __restrict__ table = (V*)a.table[y];
     const long long span = a.vpr * a.segs;
@@ -324,6 +345,23 @@ extern "C" __global__ void __launch_bounds__(1024) gl_plan(const PlanArgs a)
         a.ends[1] = last;
     }
     for (long long j = count + t; j < a.n; j += blockDim.x) a.ids[j] = last;
+}
+
+// The last-writer rule without a sort (scatter mode 2), in two launches over the ids:
+// phase 0 sets the slot of every id inside the table to -1, phase 1 raises it to the
+// largest position naming that id (atomicMax: the result does not depend on the order
+// the atomics land in). Ids outside the table are skipped: their slots do not exist.
+struct SlotArgs { const long long* ids; int* slot; long long n, n_rows, phase; };
+
+extern "C" __global__ void gl_last_slot(const SlotArgs a)
+{
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < a.n; j += stride) {
+        const long long r = a.ids[j];
+        if (r < 0 || r >= a.n_rows) continue;
+        if (a.phase == 0) a.slot[r] = -1;
+        else atomicMax(a.slot + r, (int)j);
+    }
 }
 
 extern "C" __global__ void gl_segsum_f4(const SegSumArgs a) { segment_sum<float>(a); }
@@ -743,9 +781,9 @@ def _pointer_args(tensors: list[torch.Tensor]) -> list[int]:
     return ptrs + [ptrs[0]] * (MAX_TABLES - len(ptrs))  # unused slots: never selected
 
 
-#: the kernels' argument structs as raw 8-byte words (GatherArgs: 16, ScatterArgs: 17)
+#: the kernels' argument structs as raw 8-byte words (GatherArgs: 16, ScatterArgs: 19)
 _GATHER_ARGS = np.dtype([("w", np.uint64, (16,))])
-_SCATTER_ARGS = np.dtype([("w", np.uint64, (17,))])
+_SCATTER_ARGS = np.dtype([("w", np.uint64, (19,))])
 
 
 def _count_ptr(count: torch.Tensor | None, device: torch.device) -> int:
@@ -979,6 +1017,8 @@ def launch_scatter(
     max_vector: int = 16,
     unroll: int | None = None,
     rows_per_block: int | None = None,
+    slot: torch.Tensor | None = None,
+    guard: torch.Tensor | None = None,
 ) -> None:
     """``table[ids[j]] = rows[pos[j]]`` (``rows[j]`` when ``pos`` is None).
 
@@ -991,13 +1031,21 @@ def launch_scatter(
     ``mode`` :data:`SCATTER_ALL` writes every entry (the ids must be distinct, or a
     repeated row's bytes may mix); :data:`SCATTER_LAST_OF_RUN` expects ids sorted
     stably (``pos`` the permutation) and writes only the last entry of each run of
-    equal ids, i.e. each id's last occurrence. Lists of tables / rows as in
-    :func:`launch_gather`.
+    equal ids, i.e. each id's last occurrence; :data:`SCATTER_LAST_BY_SLOT` takes ids in
+    any order (``pos`` None) and ``slot``, the int32 array of one entry per table row that
+    :func:`launch_last_slots` filled for these ids, and writes each id's last occurrence
+    too. Lists of tables / rows as in :func:`launch_gather`.
+
+    ``guard``: the ids' (smallest, largest) pair as a 2-element int64 tensor on the
+    device (:func:`gadgetloader._ids.start_guarded_check`); if either is outside the
+    table, the launch writes nothing.
     """
     tables = table if isinstance(table, list) else [table]
     srcs = rows if isinstance(rows, list) else [rows]
     n = ids.numel()
     geom = _check_group(tables, srcs, ids, pos, n)
+    if mode == SCATTER_LAST_BY_SLOT:
+        _check_slot(slot, tables[0], ids, pos)
     if n == 0 or geom[0] == 0:
         return
     device = srcs[0].device
@@ -1031,6 +1079,8 @@ def launch_scatter(
             mode,
             n,
             _count_ptr(count, device),
+            slot.data_ptr() if mode == SCATTER_LAST_BY_SLOT and slot is not None else 0,
+            _guard_ptr(guard, device),
         ],
         _SCATTER_ARGS,
         device,
@@ -1103,6 +1153,83 @@ def launch_segment_sum(
         _SEGSUM_ARGS,
         device,
     )
+
+
+def _guard_ptr(guard: torch.Tensor | None, device: torch.device) -> int:
+    """The device pointer of a scatter's (smallest, largest) id pair (0: none)."""
+    if guard is None:
+        return 0
+    if (
+        guard.dtype != torch.int64
+        or guard.numel() != 2
+        or not guard.is_contiguous()
+        or guard.device != device
+    ):
+        raise ValueError(
+            f"a scatter's guard must be a contiguous 2-element int64 tensor on {device}; got "
+            f"{guard.numel()} {guard.dtype} on {guard.device}"
+        )
+    return int(guard.data_ptr())
+
+
+#: SlotArgs: 5 words
+_SLOT_ARGS = np.dtype([("w", np.uint64, (5,))])
+
+
+def _check_slot(
+    slot: torch.Tensor | None, table: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor | None
+) -> None:
+    """A last-writer slot array fits ``table`` and the ids (the kernels index it by id)."""
+    if (
+        slot is None
+        or slot.dtype != torch.int32
+        or slot.dim() != 1
+        or slot.numel() != table.shape[0]
+        or not slot.is_contiguous()
+        or slot.device != ids.device
+    ):
+        got = "None" if slot is None else f"{tuple(slot.shape)} {slot.dtype} on {slot.device}"
+        raise ValueError(
+            f"the last-writer slots must be a contiguous 1-D int32 tensor of {table.shape[0]} "
+            f"entries (one per table row) on {ids.device}; got {got}"
+        )
+    if pos is not None or ids.numel() >= 2**31:
+        raise ValueError("the last-writer slots take ids as given (no pos), under 2**31 of them")
+
+
+def launch_last_slots(ids: torch.Tensor, slot: torch.Tensor) -> None:
+    """Fill ``slot`` (int32, one entry per table row) for a :data:`SCATTER_LAST_BY_SLOT`
+    scatter of contiguous int64 ``ids``: the slot of each id inside the table gets the
+    largest position naming it; other slots are not touched (ids outside the table are
+    skipped). Two launches, no sort, no synchronisation; the result does not depend on
+    the order the GPU's atomics land in."""
+    n = ids.numel()
+    if ids.dtype != torch.int64 or not ids.is_contiguous() or ids.dim() != 1:
+        raise ValueError(
+            f"ids must be a contiguous 1-D int64 tensor; got {ids.dtype} {ids.dim()}-D"
+        )
+    if (
+        slot.dtype != torch.int32
+        or slot.dim() != 1
+        or not slot.is_contiguous()
+        or slot.device != ids.device
+    ):
+        raise ValueError(
+            f"the slots must be a contiguous 1-D int32 tensor on {ids.device}; got "
+            f"{tuple(slot.shape)} {slot.dtype} on {slot.device}"
+        )
+    if n >= 2**31:
+        raise ValueError(f"the last-writer slots take under 2**31 ids; got {n}")
+    if n == 0:
+        return
+    device = ids.device
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    fn = _function(idx, UNROLL, "gl_last_slot")
+    grid = (max(1, min(-(-n // BLOCK), _max_blocks(idx))), 1)
+    for phase in (0, 1):
+        _launch(
+            fn, grid, [ids.data_ptr(), slot.data_ptr(), n, slot.numel(), phase], _SLOT_ARGS, device
+        )
 
 
 #: PlanArgs: 8 words
@@ -1256,6 +1383,8 @@ class FusedLauncher:
                 SCATTER_ALL,
                 n,
                 _count_ptr(count, self.device),
+                0,
+                0,
             ],
             _SCATTER_ARGS,
             self.device,
