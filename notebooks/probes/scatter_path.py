@@ -7,7 +7,9 @@ interleaved (each repeat runs every variant once; CUDA events around each call, 
 the public ``insertData`` with and without the range check, its pieces (the check's
 ``aminmax`` and read-back, the stable sort and last-writer plan, the scatter kernel alone
 over sorted and unsorted ids), and torch's zero-copy ``index_copy_`` on the table's CUDA
-view (no repeat handling, as SpeedTorch). Usage: python notebooks/probes/scatter_path.py OUT.json
+view (no repeat handling, as SpeedTorch). Session 24 adds the library's sort-free merge
+(``_kernels.launch_last_slots`` and the slot-mode kernel) and ``insertData`` with the
+sort merge it replaced on tables of this size. Usage: python notebooks/probes/scatter_path.py OUT.json
 """
 
 from __future__ import annotations
@@ -18,24 +20,12 @@ import sys
 import time
 
 import torch
+from _seed_setup import ROWS, dev, event_ms, g, host, rows, uids, view
 
-if not torch.cuda.is_available():
-    sys.exit("this probe measures the GPU (CUDA, CuPy, pinned memory): run it on a CUDA machine")
-
-from gadgetloader import DataGadget
 from gadgetloader._ids import last_writer
-from gadgetloader.transfer import _kernels
+from gadgetloader.transfer import _engine, _kernels
 
-dev = torch.device("cuda", 0)
-ROWS, W, N = 1_000_000, 128, 131_072
 REPS = 31
-
-gen = torch.Generator().manual_seed(0)
-host = torch.randn(ROWS, W, generator=gen)
-g = DataGadget(host, placement="pinned")
-view = g.as_tensor()
-uids = torch.randperm(ROWS, generator=gen)[:N].to(dev)
-rows = torch.randn(N, W, generator=gen).to(dev)
 plan = last_writer(uids)
 sorted_ids, pos = plan.ids, plan.pos
 
@@ -47,16 +37,6 @@ def host_ms(fn) -> float:
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     return (t1 - t0) * 1e3
-
-
-def event_ms(fn) -> float:
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def sort_free(fill: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -77,8 +57,26 @@ def sort_free(fill: bool, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(keep, uids, ROWS)
 
 
+slot = torch.empty(ROWS, dtype=torch.int32, device=dev)
+
+
+def with_sort_merge() -> None:
+    """insertData as before session 24: repeats merged by the stable sort."""
+    keep = _engine.SLOT_MERGE_MAX_ROWS
+    _engine.SLOT_MERGE_MAX_ROWS = 0
+    try:
+        g.insertData(rows, uids)
+    finally:
+        _engine.SLOT_MERGE_MAX_ROWS = keep
+
+
 variants = {
     "insertData CUDA ids": lambda: g.insertData(rows, uids),
+    "insertData CUDA ids, sort merge": with_sort_merge,
+    "launch_last_slots (slot merge)": lambda: _kernels.launch_last_slots(uids, slot),
+    "kernel, unsorted ids, last by slot": lambda: _kernels.launch_scatter(
+        view, uids, rows, None, _kernels.SCATTER_LAST_BY_SLOT, slot=slot
+    ),
     "insertData CUDA ids, check_ids=False": lambda: g.insertData(rows, uids, check_ids=False),
     "aminmax + read-back": lambda: torch.aminmax(uids)[0].item(),
     "last_writer (stable sort + mask)": lambda: last_writer(uids),
@@ -90,7 +88,28 @@ variants = {
     ),
     "kernel, unsorted ids, all": lambda: _kernels.launch_scatter(view, uids, rows),
     "torch index_copy_ (zero-copy view)": lambda: view.index_copy_(0, uids, rows),
+    "kernel all, unroll=1": lambda: _kernels.launch_scatter(view, uids, rows, unroll=1),
+    "kernel all, unroll=8": lambda: _kernels.launch_scatter(view, uids, rows, unroll=8),
+    "kernel all, 8-byte vectors": lambda: _kernels.launch_scatter(view, uids, rows, max_vector=8),
+    "kernel all, 4-byte vectors": lambda: _kernels.launch_scatter(view, uids, rows, max_vector=4),
+    "kernel all, 4 blocks/SM": lambda: _kernels.launch_scatter(view, uids, rows, blocks_per_sm=4),
+    "kernel all, 32 blocks/SM": lambda: _kernels.launch_scatter(view, uids, rows, blocks_per_sm=32),
+    "kernel all, warp per row": lambda: _kernels.launch_scatter(
+        view, uids, rows, blocks_per_sm=_kernels.IN_ORDER
+    ),
 }
+try:  # CuPy's own fancy-index write on the same zero-copy view, as SpeedTorch does it
+    import cupy as cp
+
+    cp_view, cp_ids, cp_rows = cp.asarray(view), cp.asarray(uids), cp.asarray(rows)
+
+    def cupy_setitem() -> None:
+        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            cp_view[cp_ids] = cp_rows
+
+    variants["CuPy view[ids] = rows (zero-copy view)"] = cupy_setitem
+except ImportError:
+    pass
 for fn in variants.values():
     for _ in range(3):
         fn()
