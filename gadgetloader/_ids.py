@@ -4,7 +4,9 @@ Ids arrive as torch tensors (CPU or CUDA), NumPy or CuPy arrays, lists, ranges o
 Python ints, of any integer dtype. :func:`as_ids` turns them into one int64 torch
 tensor on the device that will use them and checks the range *before* anything is
 written, so a bad id never half-updates a table. (A GPU gather by the row kernels, which
-never read outside a table, may run before its ids' check finishes: :func:`checked_after`.)
+never read outside a table, may run before its ids' check finishes: :func:`checked_after`;
+a GPU scatter too, guarded on the GPU by the ids' (smallest, largest) pair, so that it
+writes nothing if an id is bad: :func:`start_guarded_check`.)
 """
 
 from __future__ import annotations
@@ -266,20 +268,27 @@ class GuardedCheck:
     check's result reaches the host. Calling it finishes the check (waits for the two
     numbers, raises :class:`GadgetIndexError`)."""
 
-    __slots__ = ("_finish", "ends")
+    __slots__ = ("_finish", "done", "ends")
 
     def __init__(self, ends: torch.Tensor, finish: Callable[[], None]) -> None:
         self.ends = ends
         self._finish = finish
+        self.done = False
 
     def __call__(self) -> None:
+        """Finish the check once (later calls return at once): wait, then raise if bad."""
+        if self.done:
+            return
+        self.done = True
         self._finish()
 
 
 def start_guarded_check(ids: torch.Tensor, num_rows: int) -> GuardedCheck:
     """Queue the range check of non-empty CUDA ``ids`` with its two numbers kept on the
     GPU as well (see :class:`GuardedCheck`): one ``aminmax`` into device memory and a
-    16-byte copy to the thread's page-locked pair."""
+    16-byte copy to the thread's page-locked pair -- the pair :func:`start_range_check`
+    uses too, so the check must be finished (called) before the thread starts another,
+    also when the write it guards fails."""
     flat = ids.reshape(-1)
     ends = torch.empty(2, dtype=torch.int64, device=ids.device)
     torch.aminmax(flat, out=(ends[0], ends[1]))

@@ -104,6 +104,17 @@ def test_a_guarded_check_runs_before_a_torch_write() -> None:
     assert (table == 0).all()
 
 
+def test_launch_scatter_refuses_an_unknown_mode_and_a_count_with_slots() -> None:
+    t, i, r = torch.zeros(4, 2), torch.zeros(1, dtype=torch.int64), torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="unknown scatter mode 3"):
+        _kernels.launch_scatter(t, i, r, None, 3)
+    count = torch.ones(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="count"):
+        _kernels.launch_scatter(t, i, r, None, _kernels.SCATTER_LAST_BY_SLOT, count=count)
+    with pytest.raises(ValueError, match="count"):
+        _kernels.launch_scatter(t, i, r, count=count, guard=torch.zeros(2, dtype=torch.int64))
+
+
 def test_a_scatter_guard_must_be_two_int64_on_the_device() -> None:
     dev = torch.device("cpu")
     assert _kernels._guard_ptr(None, dev) == 0
@@ -128,17 +139,29 @@ def test_a_scatter_guard_must_be_two_int64_on_the_device() -> None:
 )
 @pytest.mark.parametrize("n", [1, 1000, 70_000])
 def test_insert_with_repeats_writes_each_ids_last_row(
-    placement: str, ids_on: str, kind: str, width: int, dtype: torch.dtype, n: int
+    placement: str,
+    ids_on: str,
+    kind: str,
+    width: int,
+    dtype: torch.dtype,
+    n: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    rows = 100_000
+    row_bytes = width * torch.empty((), dtype=dtype).element_size()
+    # as many rows as the slot merge takes for n ids (at most 16 KB of table per id)
+    rows = max(n, min(100_000, n * _kernels.SPARSE_GAP_BYTES // row_bytes))
     gen = torch.Generator().manual_seed(n + width)
     base = (torch.randn(rows, width, generator=gen) * 50).to(dtype)
     g = gl.DataGadget(base.clone(), placement=placement)
     ids = _ids(kind, n, rows, gen)
     new = (torch.randn(n, width, generator=gen) * 50).to(dtype)
-    view = g.store.device_view()
-    assert _engine._slot_merge(view, n)  # this test is about the slot merge
+    merges = []
+    real = _kernels.launch_last_slots
+    monkeypatch.setattr(
+        _kernels, "launch_last_slots", lambda *a, **k: (merges.append(1), real(*a, **k))
+    )
     g.insertData(new.cuda(), ids.to(ids_on))
+    assert merges == [1]  # this test is about the slot merge
     want = _last_writer(base.numpy(), ids.numpy(), new.numpy())
     got = g.getData(torch.arange(rows)).cpu().numpy()
     np.testing.assert_array_equal(got, want)
@@ -147,21 +170,109 @@ def test_insert_with_repeats_writes_each_ids_last_row(
 
 @pytest.mark.gpu
 @NEEDS_CUPY
-@pytest.mark.parametrize("strategy", ["kernel", "sorted", "torch", "auto"])
-def test_slot_merge_sort_and_torch_write_identical_bytes(
-    strategy: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.parametrize("way", ["slot merge", "sort merge", "sorted", "torch", "auto"])
+def test_every_merge_writes_the_same_bytes(way: str, monkeypatch: pytest.MonkeyPatch) -> None:
     rows, width, n = 20_000, 16, 60_000
     gen = torch.Generator().manual_seed(3)
     base = torch.randn(rows, width, generator=gen)
     ids = torch.randint(0, rows, (n,), generator=gen).cuda()
     new = torch.randn(n, width, generator=gen).cuda()
     want = torch.from_numpy(_last_writer(base.numpy(), ids.cpu().numpy(), new.cpu().numpy()))
-    for max_rows in (_engine.SLOT_MERGE_MAX_ROWS, 0):  # the slot merge, then the sort
-        monkeypatch.setattr(_engine, "SLOT_MERGE_MAX_ROWS", max_rows)
-        table = base.cuda()
-        _engine.scatter(table, ids, new, strategy)
-        assert torch.equal(table.cpu(), want), (strategy, max_rows)
+    table = base.cuda()
+    merges = []
+    real = _kernels.launch_last_slots
+    monkeypatch.setattr(
+        _kernels, "launch_last_slots", lambda *a, **k: (merges.append(1), real(*a, **k))
+    )
+    if way == "sort merge":
+        monkeypatch.setattr(_engine, "SLOT_MERGE_MAX_ROWS", 0)
+    strategy = "kernel" if way.endswith("merge") else way
+    _engine.scatter(table, ids, new, strategy)
+    assert merges == ([1] if way in ("slot merge", "auto") else [])
+    assert torch.equal(table.cpu(), want)
+
+
+@pytest.mark.gpu
+@NEEDS_CUPY
+def test_the_slot_kernels_stay_inside_the_slot_array() -> None:
+    rows = 100
+    pad = torch.full((rows + 2,), -7, dtype=torch.int32, device="cuda")
+    slot = pad[1:-1]
+    ids = torch.tensor([-1, 5, rows, 5, 99, rows + 3, 0, -100], device="cuda")
+    _kernels.launch_last_slots(ids, slot)
+    assert pad[0].item() == -7 and pad[-1].item() == -7
+    assert slot[[5, 99, 0]].tolist() == [3, 4, 6]
+    untouched = torch.ones(rows, dtype=torch.bool)
+    untouched[[0, 5, 99]] = False
+    assert (slot[untouched.cuda()] == -7).all()
+
+
+@pytest.mark.gpu
+@NEEDS_CUPY
+def test_a_failed_guarded_write_still_finishes_its_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gadgetloader.gadget as gadget_mod
+
+    rows, width = 300, 8
+    g = gl.DataGadget((rows, width), dtype="float32", placement="pinned")
+    checks = []
+    real_start = gadget_mod.start_guarded_check
+
+    def spy(ids: torch.Tensor, num_rows: int):  # type: ignore[no-untyped-def]
+        checks.append(real_start(ids, num_rows))
+        return checks[-1]
+
+    def broken(*a: object, **k: object) -> None:
+        raise RuntimeError("launch failed (test)")
+
+    monkeypatch.setattr(gadget_mod, "start_guarded_check", spy)
+    with monkeypatch.context() as m:
+        m.setattr(_kernels, "launch_scatter", broken)
+        with pytest.raises(RuntimeError, match="launch failed"):
+            g.insertData(
+                torch.ones(3, width, device="cuda"), torch.tensor([1, 1, 2], device="cuda")
+            )
+    assert len(checks) == 1 and checks[0].done
+    assert (g.getData(torch.arange(rows)) == 0).all()
+    # the thread's pair serves the next checks as usual, on another stream too
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        with pytest.raises(gl.GadgetIndexError):
+            g.insertData(
+                torch.ones(2, width, device="cuda"), torch.tensor([4, rows], device="cuda")
+            )
+        g.insertData(
+            torch.full((2, width), 2.0, device="cuda"), torch.tensor([4, 4], device="cuda")
+        )
+    side.synchronize()
+    assert (g.getData([4]) == 2).all() and int(
+        torch.count_nonzero(g.getData(torch.arange(rows)))
+    ) == width
+    g.close()
+
+
+@pytest.mark.gpu
+@NEEDS_CUPY
+def test_slot_merge_into_an_interleaved_group_writes_every_slot() -> None:
+    from gadgetloader.stores import interleaved_stores
+    from gadgetloader.stores._base import scatter_many
+
+    rows, width, nslots, n = 400, 8, 3, 900
+    stores = interleaved_stores(
+        "pinned", rows, (width,), torch.float32, nslots, torch.device("cuda")
+    )
+    gen = torch.Generator().manual_seed(8)
+    ref = torch.randn(rows, nslots, width, generator=gen)
+    for k, st in enumerate(stores):
+        st.write_block(0, ref[:, k].contiguous())
+        st.synchronize()
+    ids = torch.randint(0, rows, (n,), generator=gen)
+    new = [torch.randn(n, width, generator=gen) for _ in stores]
+    assert _engine._slot_merge(stores[0].device_view(), n)
+    scatter_many(stores, ids.cuda(), [x.cuda() for x in new])
+    for k, st in enumerate(stores):
+        want = _last_writer(ref[:, k].numpy(), ids.numpy(), new[k].numpy())
+        got = st.gather(torch.arange(rows).cuda(), torch.device("cuda")).cpu().numpy()
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.gpu
@@ -197,7 +308,7 @@ def test_bad_cuda_ids_raise_after_the_merge_and_leave_the_table_unchanged(
 ) -> None:
     if merge == "sort":
         monkeypatch.setattr(_engine, "SLOT_MERGE_MAX_ROWS", 0)
-    rows, width = 5000, 32
+    rows, width = 400, 32  # 4 ids: at most 64 KB of table for the slot merge
     base = torch.randn(rows, width)
     g = gl.DataGadget(base.clone(), placement=placement)
     new = torch.randn(4, width, device="cuda")
@@ -255,13 +366,29 @@ def test_a_large_request_still_sorts_and_matches() -> None:
 def test_a_table_past_the_slot_limit_sorts_and_matches() -> None:
     rows = _engine.SLOT_MERGE_MAX_ROWS + 1  # 1-byte rows: 16 MiB
     table = torch.zeros(rows, 1, dtype=torch.uint8, device="cuda")
-    ids = torch.tensor([rows - 1, 3, rows - 1, 3, 0], device="cuda")
-    new = torch.tensor([[1], [2], [3], [4], [5]], dtype=torch.uint8, device="cuda")
-    assert not _engine._slot_merge(table, ids.numel())
-    assert _engine._slot_merge(table[:-1], ids.numel())
+    n = 2048  # 8 KB of table per id: dense enough for the slot merge
+    ids = torch.zeros(n, dtype=torch.int64, device="cuda")
+    ids[:5] = torch.tensor([rows - 1, 3, rows - 1, 3, 0])
+    new = torch.zeros(n, 1, dtype=torch.uint8, device="cuda")
+    new[:5, 0] = torch.tensor([1, 2, 3, 4, 5], dtype=torch.uint8)
+    new[-1, 0] = 9  # the last occurrence of id 0
+    assert not _engine._slot_merge(table, n)
+    assert _engine._slot_merge(table[:-1], n)
     _engine.scatter(table, ids, new)
-    assert table[[rows - 1, 3, 0]].flatten().tolist() == [3, 4, 5]
-    assert int(table.sum()) == 12
+    assert table[[rows - 1, 3, 0]].flatten().tolist() == [3, 4, 9]
+    assert int(table.sum()) == 16
+
+
+@pytest.mark.gpu
+@NEEDS_CUPY
+def test_a_sparse_request_keeps_the_sort() -> None:
+    rows, width = 100_000, 32  # 12.8 MB
+    table = torch.zeros(rows, width, device="cuda")
+    ids = torch.tensor([7, 99_999, 7], device="cuda")  # 4 MB of table per id
+    assert not _engine._slot_merge(table, ids.numel())
+    new = torch.arange(3 * width, dtype=torch.float32, device="cuda").view(3, width)
+    _engine.scatter(table, ids, new)
+    assert torch.equal(table[7], new[2]) and torch.equal(table[99_999], new[1])
 
 
 @pytest.mark.gpu

@@ -182,7 +182,9 @@ class Store(abc.ABC):
         ``ids_sorted=True`` with it promises they ascend too (a row plan's), for the
         GPU kernel's launch shape (any order gives the same result). ``check``: a
         pending check of the ids (it raises if they are bad), called before anything
-        is written (on the GPU path after the merge of repeats is queued).
+        is written (on the GPU path after the merge of repeats is queued), or, for a
+        :class:`~gadgetloader._ids.GuardedCheck` on the GPU kernels' path, after the
+        write is queued: the kernel then writes nothing if an id is bad.
         """
         self.check_writable()
         dv = self.device_view()

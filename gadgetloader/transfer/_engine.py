@@ -51,11 +51,13 @@ SORT_FROM_IDS = 1 << 18
 #: 4 KB rows 50 GB/s, against 24-34 GB/s with the CPU taking a share
 HYBRID_MAX_ROW_BYTES = 1024
 
-#: a scatter with repeated ids merges them without a sort (:func:`_kernels.launch_last_slots`:
-#: a slot per table row, 4 bytes of GPU memory each) on tables of at most this many rows and
-#: :data:`SORT_ABOVE_BYTES` bytes, for fewer than :data:`SORT_FROM_IDS` ids -- where a gather
-#: would not sort either, so address order buys nothing. On the H200 (seed scatter, 1M x
-#: 128 float32 pinned table, 131,072 ids) the merge took 0.30 ms as a stable sort and
+#: a ``kernel`` scatter with repeated ids merges them without a sort
+#: (:func:`_kernels.launch_last_slots`: a slot per table row, 4 bytes of GPU memory each) on
+#: tables of at most this many rows and :data:`SORT_ABOVE_BYTES` bytes, for fewer than
+#: :data:`SORT_FROM_IDS` ids and at most :data:`_kernels.SPARSE_GAP_BYTES` of table per id --
+#: where a gather would not sort either and a sorted scatter would get the default launch
+#: shape, so address order buys nothing. On the H200 (seed scatter, 1M x 128 float32 pinned
+#: table, 131,072 ids) the merge took 0.05-0.07 ms against 0.31-0.36 ms for a stable sort and
 #: last-of-run mask (DESIGN.md, "The seed scatter's repeat merge")
 SLOT_MERGE_MAX_ROWS = 1 << 24
 
@@ -500,7 +502,8 @@ def scatter(
     Repeated ids are merged on the GPU so that only each id's last entry is written,
     whatever the strategy, and the result is deterministic: the ``kernel`` strategy
     on a table of at most :data:`SLOT_MERGE_MAX_ROWS` rows and :data:`SORT_ABOVE_BYTES`
-    bytes, for fewer than :data:`SORT_FROM_IDS` ids, marks each id's last position in a
+    bytes, for fewer than :data:`SORT_FROM_IDS` ids and at most
+    :data:`_kernels.SPARSE_GAP_BYTES` of table per id, marks each id's last position in a
     slot array (two small launches, no sort) and writes in the order given; otherwise
     the ids are sorted (stably) and the kernel writes the last entry of each run of
     equal ids, walking the table in address order. ``unique=True`` promises distinct ids
@@ -645,11 +648,13 @@ def _slot_merge(table: torch.Tensor, n: int) -> bool:
     """Whether a ``kernel`` scatter of ``n`` ids with repeats into ``table`` merges them by
     last-writer slots rather than a sort (see :data:`SLOT_MERGE_MAX_ROWS`)."""
     rows = table.shape[0]
+    nbytes = rows * _kernels.pitch_nbytes(table)
     return (
         table.is_cuda
-        and n < SORT_FROM_IDS
+        and 0 < n < SORT_FROM_IDS
         and rows <= SLOT_MERGE_MAX_ROWS
-        and rows * _kernels.pitch_nbytes(table) <= SORT_ABOVE_BYTES
+        and nbytes <= SORT_ABOVE_BYTES
+        and nbytes <= n * _kernels.SPARSE_GAP_BYTES
     )
 
 

@@ -14,7 +14,8 @@ Design (see ``DESIGN.md``):
 * Every row id is checked against the table's row count inside the kernel as a
   last line of defence: a kernel never reads or writes outside a table, even if a
   caller skipped the host-side check (which raises before any write; a gather's may
-  finish after its launch).
+  finish after its launch, and a scatter's too when the kernel is given the ids'
+  (smallest, largest) pair as a guard: it then writes nothing if either is outside).
 * Sorted gathers of narrow rows (and scatters of 512 B to 1 KB rows) from sparse parts of
   a huge host table run one warp per row in blocks started in id order (:data:`IN_ORDER`,
   see :func:`ordered_shape` and :func:`_ordered_launch`).
@@ -22,6 +23,8 @@ Design (see ``DESIGN.md``):
   original output position. A scatter of stably sorted ids writes only the last
   entry of each run of equal ids (its last occurrence), tested in the kernel by
   comparing with the next id: no mask, no compaction, no GPU->CPU synchronisation.
+  Without a sort, :func:`launch_last_slots` leaves each id's last position in a slot
+  per table row and the scatter writes only the entries found there.
 * One launch moves the same ids for up to four tables of one row layout (a table
   and its optimizer states): ``blockIdx.y`` picks the table, so the switchers pay
   one launch per step and direction instead of one per table.
@@ -652,6 +655,8 @@ def _launch(
     this runs once per batch, and its cost bounds the rate of small transfers. ``words``
     are the kernel's struct argument as 8-byte words."""
     fn, ptr = kernel
+    # every field of the struct, or the kernel would read a previous launch's words
+    assert len(words) * 8 == struct.itemsize, (len(words), struct.itemsize)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if ptr:
         assert _raw_stream is not None
@@ -1040,6 +1045,11 @@ def launch_scatter(
     device (:func:`gadgetloader._ids.start_guarded_check`); if either is outside the
     table, the launch writes nothing.
     """
+    if mode not in (SCATTER_ALL, SCATTER_LAST_OF_RUN, SCATTER_LAST_BY_SLOT):
+        raise ValueError(f"unknown scatter mode {mode!r}; expected 0, 1 or 2")
+    if count is not None and (mode == SCATTER_LAST_BY_SLOT or guard is not None):
+        # the slots and the guard speak of all the ids, not of the first count
+        raise ValueError("a scatter with a count takes neither last-writer slots nor a guard")
     tables = table if isinstance(table, list) else [table]
     srcs = rows if isinstance(rows, list) else [rows]
     n = ids.numel()

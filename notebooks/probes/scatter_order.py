@@ -104,7 +104,9 @@ def scatter_in_order(
             pos.data_ptr(),
             kernels.SCATTER_LAST_OF_RUN,
             n,
-            0,
+            0,  # no count
+            0,  # no last-writer slots (a field since session 24)
+            0,  # no guard (a field since session 24)
         ],
         kernels._SCATTER_ARGS,
         table.device,
