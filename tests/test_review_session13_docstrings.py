@@ -1800,7 +1800,8 @@ def test_transfer_strategies_and_resolve():
         assert gtr.resolve_strategy(s, table, 10) == s
     # "requests of up to 1024 ids -> kernel"
     assert gtr.resolve_strategy("auto", table, 1024) == "kernel"
-    # "Scatters always sort ..., so auto scatters with kernel"
+    # "Scatters merge repeated ids by sorting them ... or ... by a sort-free pass ..., so
+    # auto scatters with kernel"
     assert gtr.resolve_strategy("auto", table, 10**6, kind="scatter") == "kernel"
 
 
