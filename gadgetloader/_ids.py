@@ -6,7 +6,8 @@ tensor on the device that will use them and checks the range *before* anything i
 written, so a bad id never half-updates a table. (A GPU gather by the row kernels, which
 never read outside a table, may run before its ids' check finishes: :func:`checked_after`;
 a GPU scatter too, guarded on the GPU by the ids' (smallest, largest) pair, so that it
-writes nothing if an id is bad: :func:`start_guarded_check`.)
+writes nothing if an id is bad: :func:`start_guarded_check`; or by a flag that the
+sort-free merge of its repeated ids raises for an id outside the table: :func:`flag_word`.)
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ __all__ = [
     "as_ids",
     "check_range",
     "checked_after",
+    "flag_word",
+    "read_flag",
     "int64_ids",
     "last_writer",
     "LastWriter",
@@ -259,6 +262,28 @@ def _mapped_ends(buf: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Ten
         torch.aminmax(torch.tensor([-3, 7], device=f"cuda:{index}"), out=(lo, hi))
     torch.cuda.current_stream(index).synchronize()
     return (lo, hi) if buf.tolist() == [-3, 7] else None
+
+
+def flag_word(device: torch.device) -> int | None:
+    """The address on CUDA ``device`` of this thread's page-locked int64 flag (the first
+    number of the pair that range checks use), for a kernel that reports bad ids by
+    writing it (:func:`gadgetloader.transfer._kernels.launch_last_slots`); None where the
+    pair is not mapped into the device (no CuPy, no unified addressing). Like the checks,
+    a flag must be read (:func:`read_flag`, after the work writing it) before the thread
+    starts another check."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _ends.buf is None:
+        _ends.buf = pinned_empty(2, torch.int64)
+    if index not in _ends.mapped:
+        _ends.mapped[index] = _mapped_ends(_ends.buf, index)
+    mapped = _ends.mapped[index]
+    return None if mapped is None else int(mapped[0].data_ptr())
+
+
+def read_flag() -> int:
+    """The flag a kernel wrote at :func:`flag_word` (once the work writing it is done)."""
+    assert _ends.buf is not None
+    return int(_ends.buf[0])
 
 
 class GuardedCheck:

@@ -25,7 +25,16 @@ from ._errors import (
     as_flag,
     table_mismatch,
 )
-from ._ids import _WIDE_UNSIGNED, as_ids, checked_after, int64_ids, start_guarded_check
+from ._ids import (
+    _WIDE_UNSIGNED,
+    _nothing,
+    _upload,
+    as_ids,
+    check_range,
+    checked_after,
+    int64_ids,
+    start_guarded_check,
+)
 from ._paths import as_path
 from .stores import Store, empty_store
 from .stores._base import gather_many as gather_stores
@@ -740,19 +749,21 @@ class DataGadget:
         # a GPU gather by the row kernels (which never read outside the table) does not
         # wait for the ids' check: CPU ids are checked on the CPU while it runs, and the
         # two numbers of CUDA ids' check travel back meanwhile; a bad id still raises
-        # before the rows are returned
-        # (unchecked CUDA ids, CuPy's included, keep the plain path; so does an `out` inside
-        # the table, which the gather writes before a check could refuse the ids)
+        # before the rows are returned (unchecked CUDA ids, CuPy's included, skip the
+        # check; an `out` inside the table, which the gather writes before a check could
+        # refuse the ids, takes the plain path)
         if where.type == "cuda":
             indexes = int64_ids(indexes, len(self), where)
-            checked = check_ids or not indexes.is_cuda
-            plan = self._kernel_plan(dev, indexes.numel()) if checked else None
+            plan = self._kernel_plan(dev, indexes.numel())
             if plan is not None:
                 how, view = plan
                 if out is not None:
                     _check_out(out, (*indexes.shape, *self.row_shape), self.dtype, dev)
                 if out is None or not shares_memory(out, view):
-                    ids, check = checked_after(indexes, len(self), where)
+                    if check_ids or not indexes.is_cuda:
+                        ids, check = checked_after(indexes, len(self), where)
+                    else:
+                        ids, check = indexes, _nothing
                     try:
                         if how == "kernel" and ids.dim() == 1:
                             # one launch of the row kernel, as the engine's `kernel` strategy
@@ -843,19 +854,45 @@ class DataGadget:
             part = self._part_data(dataObject, view)
             view[...] = part  # (a view of rows: basic indexing only, see _apply_rest)
             dataObject, indexes = rows, ids_only
-        data, ids, check = self._insert_args(dataObject, indexes, check_ids)
+        data, ids, check_cuda = self._insert_args(dataObject, indexes, check_ids)
         if ids.numel() == 0:
             return
         try:
-            self._store.scatter(ids, data, strategy=self._strategy, check=check)
-        except BaseException:
-            if check is not None:
-                # the check's numbers must land before its buffer serves another
-                with contextlib.suppress(Exception):
-                    check()
-            raise
+            if self._slot_write(data, ids, check_cuda):
+                return
+            check = start_guarded_check(ids, len(self)) if check_cuda else None
+            try:
+                self._store.scatter(ids, data, strategy=self._strategy, check=check)
+            except BaseException:
+                if check is not None:
+                    # the check's numbers must land before its buffer serves another
+                    with contextlib.suppress(Exception):
+                        check()
+                raise
         finally:
             self._wrote()
+
+    def _slot_write(self, data: torch.Tensor, ids: torch.Tensor, check: bool) -> bool:
+        """Write where the store's GPU path would take the ``kernel`` strategy with the
+        sort-free merge of repeats anyway, straight through the engine's
+        :func:`~gadgetloader.transfer._engine.slot_scatter`, which fuses the range check of
+        CUDA ids into the merge (no reduction or copy of its own) and skips the store's
+        general bookkeeping. False: not taken, nothing done."""
+        store = self._store
+        if not (ids.is_cuda and data.is_cuda) or type(store).scatter is not Store.scatter:
+            return False
+        dv = store.device_view()
+        if dv is None or dv.device != ids.device or data.device != dv.device:
+            return False
+        n = ids.numel()
+        if _engine.resolve_strategy(
+            self._strategy, dv, n, None, kind="scatter"
+        ) != "kernel" or not _engine._slot_merge(dv, n):
+            return False
+        flat = ids.reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        return _engine.slot_scatter(dv, flat, data.reshape(n, *self.row_shape), check=check)
 
     def _split_index(self, indexes: Any) -> tuple[Any, tuple[Any, ...]]:
         """(row ids, index into each row) of a NumPy-style index: a ``slice`` of rows is
@@ -910,33 +947,33 @@ class DataGadget:
 
     def _insert_args(
         self, dataObject: Any, indexes: Any, check_ids: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
-        """Checked (data, ids, pending id check) for a write; raises before anything is
-        written. CUDA ids are range-checked by a check queued on the GPU (see
-        :func:`~gadgetloader._ids.start_guarded_check`) that the store finishes: a GPU
-        write is queued first and writes nothing if an id is bad, so the check's round
-        trip overlaps it; other writes finish the check before they start."""
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Checked (data, ids, whether CUDA ids still need their range check) for a write;
+        raises before anything is written. CPU ids are checked here (whatever
+        ``check_ids`` says). CUDA ids are checked by the write: fused into the GPU merge of
+        repeats (:meth:`_slot_write`), or by a check queued on the GPU that the store
+        finishes (:func:`~gadgetloader._ids.start_guarded_check`: a GPU write is queued
+        first and writes nothing if an id is bad, so the check's round trip overlaps it;
+        other writes finish the check before they start)."""
         data = self._write_data(dataObject)
         cuda_dev = self._store.cuda_device
         target = data.device if data.is_cuda else torch.device("cpu")
-        ids = as_ids(
-            indexes,
-            len(self),
-            self._store.ids_device(target if cuda_dev is not None else torch.device("cpu")),
-            check=False,  # CPU ids are checked here all the same; CUDA ids just below
-        )
-        check: Callable[[], None] | None = None
-        if check_ids and ids.is_cuda and ids.numel():
-            check = start_guarded_check(ids, len(self))
+        device = self._store.ids_device(target if cuda_dev is not None else torch.device("cpu"))
+        ids = int64_ids(indexes, len(self), device)
+        check_cuda = bool(check_ids and ids.is_cuda and ids.numel())
+        if not ids.is_cuda:
+            check_range(ids, len(self))  # CPU ids: checked here, whatever check_ids says
+        if ids.device != device:
+            ids = _upload(ids, device) if device.type == "cuda" else ids.to(device)
         expected = (*ids.shape, *self.row_shape)
         if tuple(data.shape) != expected:
-            if check is not None:
-                check()  # bad ids are reported first, as for CPU ids
+            if check_cuda:
+                check_range(ids, len(self))  # bad ids are reported first, as for CPU ids
             raise GadgetValueError(
                 f"insertData expected data of shape {expected} (ids shape {tuple(ids.shape)} + row "
                 f"shape {self.row_shape}) but got {tuple(data.shape)}"
             )
-        return data, ids, check
+        return data, ids, check_cuda
 
     def _write_data(self, dataObject: Any) -> torch.Tensor:
         """``dataObject`` as a tensor, checked for the table's dtype and device."""
@@ -1570,8 +1607,8 @@ def scatter_many(gadgets: Any, rows: Any, indexes: Any, *, check_ids: bool = Tru
             g._store.check_writable()
             g._check_no_waiting_lookup("scatter_many into this table")
             data, ids, pending = g._insert_args(r, ids, check_ids if k == 0 else False)
-            if pending is not None:
-                pending()
+            if pending:
+                check_range(ids, len(g))
         except GadgetError as exc:  # say which table, keeping the error's class
             raise type(exc)(f"table {k} of {len(group)}: {exc}") from exc
         checked.append((data, ids))

@@ -106,11 +106,12 @@ def test_a_guarded_check_runs_before_a_torch_write() -> None:
 
 def test_launch_scatter_refuses_an_unknown_mode_and_a_count_with_slots() -> None:
     t, i, r = torch.zeros(4, 2), torch.zeros(1, dtype=torch.int64), torch.zeros(1, 2)
-    with pytest.raises(ValueError, match="unknown scatter mode 3"):
-        _kernels.launch_scatter(t, i, r, None, 3)
+    with pytest.raises(ValueError, match="unknown scatter mode 4"):
+        _kernels.launch_scatter(t, i, r, None, 4)
     count = torch.ones(1, dtype=torch.int64)
-    with pytest.raises(ValueError, match="count"):
-        _kernels.launch_scatter(t, i, r, None, _kernels.SCATTER_LAST_BY_SLOT, count=count)
+    for mode in (_kernels.SCATTER_LAST_BY_SLOT, _kernels.SCATTER_LAST_BY_SLOT_GUARDED):
+        with pytest.raises(ValueError, match="count"):
+            _kernels.launch_scatter(t, i, r, None, mode, count=count)
     with pytest.raises(ValueError, match="count"):
         _kernels.launch_scatter(t, i, r, count=count, guard=torch.zeros(2, dtype=torch.int64))
 
@@ -213,7 +214,9 @@ def test_a_failed_guarded_write_still_finishes_its_check(monkeypatch: pytest.Mon
     import gadgetloader.gadget as gadget_mod
 
     rows, width = 300, 8
-    g = gl.DataGadget((rows, width), dtype="float32", placement="pinned")
+    # (`sorted`: the guarded check; `auto` fuses the check into the slot merge, see
+    # test_fused_slot_check.py)
+    g = gl.DataGadget((rows, width), dtype="float32", placement="pinned", strategy="sorted")
     checks = []
     real_start = gadget_mod.start_guarded_check
 

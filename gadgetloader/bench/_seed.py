@@ -262,6 +262,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     chk,
                 )
             )
+            if placement == "pinned":
+                # the same table written by torch through its CUDA view (no repeat merge,
+                # no id check): what this table's memory allows a zero-copy scatter
+                wview = g.as_tensor()
+                cases.append(
+                    _Case(
+                        "zero-copy torch index_copy_ (pinned view)",
+                        "scatter",
+                        functools.partial(wview.index_copy_, 0, uids, rows_dev),
+                        _then(
+                            functools.partial(wview.index_copy_, 0, uids, rows_dev),
+                            _same(functools.partial(g.getData, every), after),
+                        ),
+                    )
+                )
         cases.append(
             _Case(
                 "torch GPU-resident index_copy_",

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from .._device import cupy_available, pinned_empty
-from .._errors import GadgetKeyError, GadgetTypeError, GadgetValueError
-from .._ids import _upload
+from .._errors import GadgetIndexError, GadgetKeyError, GadgetTypeError, GadgetValueError
+from .._ids import _upload, check_range, flag_word, read_flag
 from . import _kernels
 
 __all__ = ["STRATEGIES", "gather", "scatter", "resolve_strategy", "set_hybrid_fraction"]
@@ -642,6 +642,52 @@ def scatter_many(
         )
     if check is not None:
         check()
+
+
+def slot_scatter(
+    table: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, *, check: bool
+) -> bool:
+    """``table[ids] = rows`` by the ``kernel`` strategy with the sort-free merge of repeats
+    (the last occurrence wins), for a table and a request that :func:`_slot_merge` admits,
+    with the range check of the ids fused into the merge when ``check``: the merge's first
+    launch flags any id outside the table, the scatter then writes nothing, and the flag
+    reaches the host through a page-locked word (no reduction, no copy of its own). Raises
+    :class:`~gadgetloader.GadgetIndexError` with the table unchanged for a bad id.
+
+    ``ids``: 1-D contiguous int64 on the table's CUDA device; ``rows``: the table's dtype,
+    ``(n, *row_shape)``, on that device. Returns False, having done nothing, where the check
+    cannot be fused (the flag word is not mapped into the device): the caller then takes
+    :func:`scatter` with a check of its own."""
+    device = table.device
+    flag = flag_word(device) if check else 0
+    if flag is None:
+        return False
+    src = rows.clone() if shares_memory(rows, table) else rows  # read all before any write
+    if not src.is_contiguous():
+        src = src.contiguous()
+    slot = torch.empty(table.shape[0] + (1 if check else 0), dtype=torch.int32, device=device)
+    if not check:
+        _kernels.launch_last_slots(ids, slot)
+        _kernels.launch_scatter(table, ids, src, None, _kernels.SCATTER_LAST_BY_SLOT, slot=slot)
+        return True
+    stream = torch.cuda.current_stream(device)
+    try:
+        _kernels.launch_last_slots(ids, slot, flag_out=flag)
+        merged = stream.record_event()
+        _kernels.launch_scatter(
+            table, ids, src, None, _kernels.SCATTER_LAST_BY_SLOT_GUARDED, slot=slot
+        )
+    except BaseException:
+        stream.synchronize()  # the flag word is free for the thread's next check
+        raise
+    merged.synchronize()  # the merge has run (the write may still be running)
+    if read_flag():
+        check_range(ids, table.shape[0])  # raises, saying which id
+        raise GadgetIndexError(  # (the ids changed meanwhile: nothing was written)
+            f"an id was outside the table ({table.shape[0]} rows) when it was written; "
+            "nothing was written"
+        )
+    return True
 
 
 def _slot_merge(table: torch.Tensor, n: int) -> bool:

@@ -51,6 +51,7 @@ __all__ = [
     "FusedLauncher",
     "SCATTER_ALL",
     "SCATTER_LAST_BY_SLOT",
+    "SCATTER_LAST_BY_SLOT_GUARDED",
     "SCATTER_LAST_OF_RUN",
     "group_geometry",
     "launch_plan",
@@ -76,6 +77,9 @@ MAX_TABLES = 4
 #: last entry of each run of equal ids writes (the last occurrence wins); ids in any
 #: order, only the entry named by the id's slot (:func:`launch_last_slots`) writes
 SCATTER_ALL, SCATTER_LAST_OF_RUN, SCATTER_LAST_BY_SLOT = 0, 1, 2
+#: mode 2 guarded by the flag that :func:`launch_last_slots` (given ``flag_out``) leaves
+#: past the last slot: the scatter writes nothing if an id was outside the table
+SCATTER_LAST_BY_SLOT_GUARDED = 3
 
 _SOURCE = r"""
 // Up to four tables of one row layout move in one launch. Two ways to spread them:
@@ -99,10 +103,11 @@ struct ScatterArgs {
 };
 
 // A write guarded by its ids' (smallest, largest) pair on the device (a range check
-// whose result the host has not read yet): any id outside the table, and nothing is
-// written at all.
+// whose result the host has not read yet), or in mode 3 by the flag gl_last_slot left
+// past the last slot: any id outside the table, and nothing is written at all.
 __device__ __forceinline__ bool refused(const ScatterArgs& a)
 {
+    if (a.mode == 3 && a.slot[a.n_rows] != 0) return true;
     return a.ends && (a.ends[0] < 0 || a.ends[1] >= a.n_rows);
 }
 
@@ -179,9 +184,9 @@ __device__ __forceinline__ void gather_rows_in_order(const GatherArgs& a)
 }
 
 // Whether entry j (id r, inside the table) writes. mode 0: every entry (distinct ids);
-// mode 1: ids sorted stably, a repeat that a later entry overwrites is skipped; mode 2:
-// ids in any order, and the entry whose position gl_last_slot left in r's slot writes
-// (the largest position naming r: its last occurrence).
+// mode 1: ids sorted stably, a repeat that a later entry overwrites is skipped; modes 2
+// and 3: ids in any order, and the entry whose position gl_last_slot left in r's slot
+// writes (the largest position naming r: its last occurrence).
 __device__ __forceinline__ bool wins_slot(const ScatterArgs& a, long long j, long long r,
                                           long long n)
 {
@@ -354,14 +359,22 @@ extern "C" __global__ void __launch_bounds__(1024) gl_plan(const PlanArgs a)
 // phase 0 sets the slot of every id inside the table to -1, phase 1 raises it to the
 // largest position naming that id (atomicMax: the result does not depend on the order
 // the atomics land in). Ids outside the table are skipped: their slots do not exist.
-struct SlotArgs { const long long* ids; int* slot; long long n, n_rows, phase; };
+// With flag_out (mode 3's range check, fused into the merge): the slots have one more
+// entry, slot[n_rows], zeroed before phase 0; phase 0 sets it to 1 for any id outside the
+// table, and phase 1 copies it to flag_out (a page-locked host word the host reads).
+struct SlotArgs { const long long* ids; int* slot; long long n, n_rows, phase; long long* flag_out; };
 
 extern "C" __global__ void gl_last_slot(const SlotArgs a)
 {
+    if (a.phase == 1 && a.flag_out && blockIdx.x == 0 && threadIdx.x == 0)
+        *a.flag_out = a.slot[a.n_rows];  // phase 0 has finished: the flag is final
     const long long stride = (long long)blockDim.x * gridDim.x;
     for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < a.n; j += stride) {
         const long long r = a.ids[j];
-        if (r < 0 || r >= a.n_rows) continue;
+        if (r < 0 || r >= a.n_rows) {
+            if (a.phase == 0 && a.flag_out) a.slot[a.n_rows] = 1;
+            continue;
+        }
         if (a.phase == 0) a.slot[r] = -1;
         else atomicMax(a.slot + r, (int)j);
     }
@@ -1039,23 +1052,32 @@ def launch_scatter(
     equal ids, i.e. each id's last occurrence; :data:`SCATTER_LAST_BY_SLOT` takes ids in
     any order (``pos`` None) and ``slot``, the int32 array of one entry per table row that
     :func:`launch_last_slots` filled for these ids, and writes each id's last occurrence
-    too. Lists of tables / rows as in :func:`launch_gather`.
+    too; :data:`SCATTER_LAST_BY_SLOT_GUARDED` is mode 2 with slots that
+    :func:`launch_last_slots` filled with ``flag_out`` (one entry more than the table has
+    rows): if an id was outside the table, nothing is written. Lists of tables / rows as
+    in :func:`launch_gather`.
 
     ``guard``: the ids' (smallest, largest) pair as a 2-element int64 tensor on the
     device (:func:`gadgetloader._ids.start_guarded_check`); if either is outside the
     table, the launch writes nothing.
     """
-    if mode not in (SCATTER_ALL, SCATTER_LAST_OF_RUN, SCATTER_LAST_BY_SLOT):
-        raise ValueError(f"unknown scatter mode {mode!r}; expected 0, 1 or 2")
-    if count is not None and (mode == SCATTER_LAST_BY_SLOT or guard is not None):
+    if mode not in (
+        SCATTER_ALL,
+        SCATTER_LAST_OF_RUN,
+        SCATTER_LAST_BY_SLOT,
+        SCATTER_LAST_BY_SLOT_GUARDED,
+    ):
+        raise ValueError(f"unknown scatter mode {mode!r}; expected 0, 1, 2 or 3")
+    by_slot = mode in (SCATTER_LAST_BY_SLOT, SCATTER_LAST_BY_SLOT_GUARDED)
+    if count is not None and (by_slot or guard is not None):
         # the slots and the guard speak of all the ids, not of the first count
         raise ValueError("a scatter with a count takes neither last-writer slots nor a guard")
     tables = table if isinstance(table, list) else [table]
     srcs = rows if isinstance(rows, list) else [rows]
     n = ids.numel()
     geom = _check_group(tables, srcs, ids, pos, n)
-    if mode == SCATTER_LAST_BY_SLOT:
-        _check_slot(slot, tables[0], ids, pos)
+    if by_slot:
+        _check_slot(slot, tables[0], ids, pos, flagged=mode == SCATTER_LAST_BY_SLOT_GUARDED)
     if n == 0 or geom[0] == 0:
         return
     device = srcs[0].device
@@ -1089,7 +1111,7 @@ def launch_scatter(
             mode,
             n,
             _count_ptr(count, device),
-            slot.data_ptr() if mode == SCATTER_LAST_BY_SLOT and slot is not None else 0,
+            slot.data_ptr() if by_slot and slot is not None else 0,
             _guard_ptr(guard, device),
         ],
         _SCATTER_ARGS,
@@ -1182,37 +1204,64 @@ def _guard_ptr(guard: torch.Tensor | None, device: torch.device) -> int:
     return int(guard.data_ptr())
 
 
-#: SlotArgs: 5 words
-_SLOT_ARGS = np.dtype([("w", np.uint64, (5,))])
+#: SlotArgs: 6 words
+_SLOT_ARGS = np.dtype([("w", np.uint64, (6,))])
 
 
 def _check_slot(
-    slot: torch.Tensor | None, table: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor | None
+    slot: torch.Tensor | None,
+    table: torch.Tensor,
+    ids: torch.Tensor,
+    pos: torch.Tensor | None,
+    *,
+    flagged: bool = False,
 ) -> None:
-    """A last-writer slot array fits ``table`` and the ids (the kernels index it by id)."""
+    """A last-writer slot array fits ``table`` and the ids (the kernels index it by id);
+    ``flagged``: it also holds the range-check flag past the last slot."""
+    size = table.shape[0] + (1 if flagged else 0)
     if (
         slot is None
         or slot.dtype != torch.int32
         or slot.dim() != 1
-        or slot.numel() != table.shape[0]
+        or slot.numel() != size
         or not slot.is_contiguous()
         or slot.device != ids.device
     ):
         got = "None" if slot is None else f"{tuple(slot.shape)} {slot.dtype} on {slot.device}"
         raise ValueError(
-            f"the last-writer slots must be a contiguous 1-D int32 tensor of {table.shape[0]} "
-            f"entries (one per table row) on {ids.device}; got {got}"
+            f"the last-writer slots must be a contiguous 1-D int32 tensor of {size} "
+            f"entries (one per table row{', and the flag' if flagged else ''}) on "
+            f"{ids.device}; got {got}"
         )
     if pos is not None or ids.numel() >= 2**31:
         raise ValueError("the last-writer slots take ids as given (no pos), under 2**31 of them")
 
 
-def launch_last_slots(ids: torch.Tensor, slot: torch.Tensor) -> None:
+def _memset_async(ptr: int, nbytes: int, device: torch.device) -> None:
+    """Zero ``nbytes`` of device memory at ``ptr``, queued on torch's current stream."""
+    cp = get_cupy("GPU kernels")
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if _raw_stream is not None and torch.cuda.current_device() == idx:
+        if idx not in _contexts.ready:
+            _ensure_context(idx)
+        cp.cuda.runtime.memsetAsync(ptr, 0, nbytes, _raw_stream(idx))
+        return
+    with cp.cuda.Device(idx), cupy_stream(device):
+        cp.cuda.runtime.memsetAsync(ptr, 0, nbytes, cp.cuda.get_current_stream().ptr)
+
+
+def launch_last_slots(ids: torch.Tensor, slot: torch.Tensor, *, flag_out: int = 0) -> None:
     """Fill ``slot`` (int32, one entry per table row) for a :data:`SCATTER_LAST_BY_SLOT`
     scatter of contiguous int64 ``ids``: the slot of each id inside the table gets the
     largest position naming it; other slots are not touched (ids outside the table are
     skipped). Two launches, no sort, no synchronisation; the result does not depend on
-    the order the GPU's atomics land in."""
+    the order the GPU's atomics land in.
+
+    ``flag_out``: the device address of a page-locked host int64 (see
+    :func:`gadgetloader._ids.flag_word`) for a :data:`SCATTER_LAST_BY_SLOT_GUARDED`
+    scatter. ``slot`` then has one entry more than the table has rows: that entry is
+    zeroed first, set to 1 by any id outside the table, and copied to ``flag_out`` by
+    the second launch, so the ids' range check costs no launch of its own."""
     n = ids.numel()
     if ids.dtype != torch.int64 or not ids.is_contiguous() or ids.dim() != 1:
         raise ValueError(
@@ -1223,6 +1272,7 @@ def launch_last_slots(ids: torch.Tensor, slot: torch.Tensor) -> None:
         or slot.dim() != 1
         or not slot.is_contiguous()
         or slot.device != ids.device
+        or (flag_out and slot.numel() < 1)
     ):
         raise ValueError(
             f"the slots must be a contiguous 1-D int32 tensor on {ids.device}; got "
@@ -1236,9 +1286,16 @@ def launch_last_slots(ids: torch.Tensor, slot: torch.Tensor) -> None:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     fn = _function(idx, UNROLL, "gl_last_slot")
     grid = (max(1, min(-(-n // BLOCK), _max_blocks(idx))), 1)
+    n_rows = slot.numel() - (1 if flag_out else 0)
+    if flag_out:
+        _memset_async(slot.data_ptr() + 4 * n_rows, 4, device)
     for phase in (0, 1):
         _launch(
-            fn, grid, [ids.data_ptr(), slot.data_ptr(), n, slot.numel(), phase], _SLOT_ARGS, device
+            fn,
+            grid,
+            [ids.data_ptr(), slot.data_ptr(), n, n_rows, phase, int(flag_out)],
+            _SLOT_ARGS,
+            device,
         )
 
 
