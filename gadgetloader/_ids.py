@@ -221,10 +221,19 @@ class _Ends(threading.local):
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
+        self.host: np.ndarray | None = None  # NumPy's view of buf: a read costs no torch call
         self.mapped: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
 
 _ends = _Ends()
+
+
+def _pair() -> torch.Tensor:
+    """This thread's page-locked pair (made on first use)."""
+    if _ends.buf is None:
+        _ends.buf = pinned_empty(2, torch.int64)
+        _ends.host = _ends.buf.numpy()
+    return _ends.buf
 
 
 def _mapped_ends(buf: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -272,18 +281,17 @@ def flag_word(device: torch.device) -> int | None:
     a flag must be read (:func:`read_flag`, after the work writing it) before the thread
     starts another check."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if _ends.buf is None:
-        _ends.buf = pinned_empty(2, torch.int64)
+    buf = _pair()
     if index not in _ends.mapped:
-        _ends.mapped[index] = _mapped_ends(_ends.buf, index)
+        _ends.mapped[index] = _mapped_ends(buf, index)
     mapped = _ends.mapped[index]
     return None if mapped is None else int(mapped[0].data_ptr())
 
 
 def read_flag() -> int:
     """The flag a kernel wrote at :func:`flag_word` (once the work writing it is done)."""
-    assert _ends.buf is not None
-    return int(_ends.buf[0])
+    assert _ends.host is not None
+    return int(_ends.host[0])
 
 
 class GuardedCheck:
@@ -317,11 +325,10 @@ def start_guarded_check(ids: torch.Tensor, num_rows: int) -> GuardedCheck:
     flat = ids.reshape(-1)
     ends = torch.empty(2, dtype=torch.int64, device=ids.device)
     torch.aminmax(flat, out=(ends[0], ends[1]))
-    if _ends.buf is None:
-        _ends.buf = pinned_empty(2, torch.int64)
-    _ends.buf.copy_(ends, non_blocking=True)
+    buf = _pair()
+    buf.copy_(ends, non_blocking=True)
     done = torch.cuda.current_stream(ids.device).record_event()
-    return GuardedCheck(ends, range_check_of(_ends.buf, num_rows, done))
+    return GuardedCheck(ends, range_check_of(buf, num_rows, done))
 
 
 def start_range_check(ids: torch.Tensor, num_rows: int, *, private: bool = False) -> Any:
@@ -344,9 +351,7 @@ def start_range_check(ids: torch.Tensor, num_rows: int, *, private: bool = False
         buf = pinned_empty(2, torch.int64)
         buf.copy_(torch.stack(torch.aminmax(flat)), non_blocking=True)
         return range_check_of(buf, num_rows, stream.record_event())
-    if _ends.buf is None:
-        _ends.buf = pinned_empty(2, torch.int64)
-    buf = _ends.buf
+    buf = _pair()
     index = ids.device.index if ids.device.index is not None else torch.cuda.current_device()
     if index not in _ends.mapped:
         _ends.mapped[index] = _mapped_ends(buf, index)

@@ -2,9 +2,10 @@
 
 Runs the seed requests (1M x 128 float32 pinned table, 131,072 ids) through
 ``DataGadget.getData`` (CPU ids, CUDA ids, CUDA ids with ``check_ids=False``) and
-``DataGadget.insertData`` (131,072 distinct CUDA ids, checked and unchecked), timed as
-``gadgetloader bench`` times them (CUDA events around each call on an idle GPU, medians
-of 41, the cases' order rotating between repeats), and back to back (50 calls, one
+``DataGadget.insertData`` (131,072 distinct CUDA ids, checked and unchecked), timed with
+CUDA events around each call on an idle GPU (medians of 41, the cases' order rotating
+between repeats; also the host time of the call), as ``gadgetloader bench`` times them (3
+warm-up calls, then 20 calls of one case in a row), and back to back (50 calls, one
 synchronisation: ms a call), in one subprocess per version, alternating versions
 ``ROUNDS`` times so a drifting host affects both alike. References in the same process:
 torch's zero-copy ``index_select`` and CuPy's own fancy assignment into the pinned table
@@ -62,15 +63,27 @@ expect = host.clone()
 expect[uids.cpu()] = rows.cpu()
 assert torch.equal(view.cpu(), expect)
 times = {k: [] for k in cases}
+hosts = {k: [] for k in cases}
 names = list(cases)
+def timed(fn):
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(); t0 = time.perf_counter(); fn(); t1 = time.perf_counter(); b.record()
+    b.synchronize()
+    return a.elapsed_time(b), (t1 - t0) * 1e3
 for i in range(41):  # the order rotates, so no case always follows the same one
     for k in names[i % len(names):] + names[:i % len(names)]:
-        fn = cases[k]
         torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); b.synchronize()
-        times[k].append(a.elapsed_time(b))
+        ms, host_ms = timed(cases[k])
+        times[k].append(ms); hosts[k].append(host_ms)
 res = {k: statistics.median(v) for k, v in times.items()}
+res.update({k + " (host ms of the call)": statistics.median(v) for k, v in hosts.items()})
+for k in names:  # as `gadgetloader bench` times: 3 warm-up calls, then 20 of this case in a row
+    for _ in range(3):
+        cases[k]()
+    torch.cuda.synchronize()
+    runs = [timed(cases[k]) for _ in range(20)]
+    res[k + " (20 in a row)"] = statistics.median(r[0] for r in runs)
+    res[k + " (20 in a row, host ms)"] = statistics.median(r[1] for r in runs)
 for k in names:
     loops = []
     for _ in range(3):
