@@ -135,7 +135,7 @@ def test_insert_fuses_the_check_and_refuses_every_bad_id(
 
 @pytest.mark.gpu
 @NEEDS_CUPY
-def test_a_failed_fused_write_leaves_the_table_and_the_flag_usable(
+def test_a_failed_fused_write_leaves_the_table_unchanged_and_later_writes_checked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rows, width = 300, 8
@@ -167,16 +167,85 @@ def test_a_failed_fused_write_leaves_the_table_and_the_flag_usable(
 
 @pytest.mark.gpu
 @NEEDS_CUPY
-def test_rows_read_from_the_table_itself_are_read_before_the_write() -> None:
-    rows, width = 50, 4
+@pytest.mark.parametrize("shift", [1, 3000])
+def test_rows_read_from_the_table_itself_are_read_before_the_write(
+    shift: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # rows k..k+n-1 take the old rows 0..n-1: many blocks read rows that others write, so
+    # without the copy of the source the result would depend on the blocks' timing
+    rows, width, n = 40_000, 32, 30_000
     base = torch.arange(rows * width, dtype=torch.float32).view(rows, width)
     g = gl.DataGadget(base.clone(), placement="cuda")
-    src = g.as_tensor()[0:4]  # overlaps the rows written: 1..4 take the old rows 0..3
-    g.insertData(src, torch.tensor([1, 2, 3, 4], device="cuda"))
+    calls = _fused_calls(monkeypatch)
+    src = g.as_tensor()[0:n]
+    g.insertData(src, torch.arange(shift, shift + n, device="cuda"))
+    assert calls == [True]  # the fused path
     want = base.clone()
-    want[1:5] = base[0:4]
+    want[shift : shift + n] = base[0:n]
     assert torch.equal(g.getData(torch.arange(rows)).cpu(), want)
     g.close()
+
+
+@pytest.mark.gpu
+@NEEDS_CUPY
+def test_without_a_mapped_check_word_the_write_keeps_the_guarded_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gadgetloader.gadget as gadget_mod
+
+    rows, width = 500, 8
+    base = torch.randn(rows, width)
+    g = gl.DataGadget(base.clone(), placement="pinned")
+    monkeypatch.setattr(_engine, "flag_word", lambda device: None)
+    calls = _fused_calls(monkeypatch)
+    guarded = []
+    real = gadget_mod.start_guarded_check
+    monkeypatch.setattr(
+        gadget_mod, "start_guarded_check", lambda *a: (guarded.append(1), real(*a))[1]
+    )
+    new = torch.randn(3, width, device="cuda")
+    with pytest.raises(gl.GadgetIndexError, match="out of range"):
+        g.insertData(new, torch.tensor([1, rows, 1], device="cuda"))
+    assert torch.equal(g.getData(torch.arange(rows)).cpu(), base)
+    g.insertData(new, torch.tensor([1, 7, 1], device="cuda"))
+    assert torch.equal(g.getData([1, 7]), new[[2, 1]])
+    # the engine's slot merge served both, guarded by the (smallest, largest) pair
+    assert calls == [False, False] and guarded == [1, 1]
+    g.close()
+
+
+@pytest.mark.gpu
+@NEEDS_CUPY
+def test_the_in_order_launch_honours_the_flag_too() -> None:
+    rows, width = 64, 128  # 512 B rows: the in-order scatter's shape
+    big = torch.zeros(rows + 2, width, device="cuda")
+    table = big[1:-1]
+    slot = torch.empty(rows + 1, dtype=torch.int32, device="cuda")
+    flag = _ids.flag_word(torch.device("cuda"))
+    assert flag
+    new = torch.ones(4, width, device="cuda")
+    mode = _kernels.SCATTER_LAST_BY_SLOT_GUARDED
+    for ids, bad in (([3, 9, rows, 3], 1), ([3, 9, 5, 3], 0)):
+        t = torch.tensor(ids, device="cuda")
+        _kernels.launch_last_slots(t, slot, flag_out=flag)
+        _kernels.launch_scatter(
+            table, t, new, None, mode, slot=slot, blocks_per_sm=_kernels.IN_ORDER
+        )
+        torch.cuda.synchronize()
+        assert _ids.read_flag() == bad
+        assert int(torch.count_nonzero(big.sum(1))) == (0 if bad else 3)
+    assert (big[0] == 0).all() and (big[-1] == 0).all()
+
+
+def test_an_empty_request_is_a_no_op_that_reads_no_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no(*a: object, **k: object) -> None:
+        raise AssertionError("nothing may be launched or read for no ids")
+
+    monkeypatch.setattr(_engine, "flag_word", no)
+    monkeypatch.setattr(_engine, "read_flag", no)
+    table = torch.zeros(4, 2)
+    assert _engine.slot_scatter(table, torch.zeros(0, dtype=torch.int64), table[:0], check=True)
+    assert (table == 0).all()
 
 
 @pytest.mark.gpu

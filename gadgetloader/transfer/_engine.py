@@ -657,7 +657,9 @@ def slot_scatter(
     ``ids``: 1-D contiguous int64 on the table's CUDA device; ``rows``: the table's dtype,
     ``(n, *row_shape)``, on that device. Returns False, having done nothing, where the check
     cannot be fused (the flag word is not mapped into the device): the caller then takes
-    :func:`scatter` with a check of its own."""
+    :func:`scatter` with a check of its own. No ids: nothing to do (True)."""
+    if ids.numel() == 0:
+        return True  # (no launch would write the flag: it must not be read)
     device = table.device
     flag = flag_word(device) if check else 0
     if flag is None:
