@@ -773,7 +773,7 @@ class DataGadget:
                                 if out is None
                                 else out
                             )
-                            _kernels.gather_rows(view, ids, rows)
+                            _kernels.gather_rows(view, ids, rows, dedup=True)
                         else:
                             rows = self._store.gather(ids, dev, out=out, strategy=self._strategy)
                     except BaseException:

@@ -163,28 +163,31 @@ def test_plan_keeps_no_view_of_a_closed_table() -> None:
 
 
 def test_kernel_gather_hands_the_kernel_dense_flat_ids(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel route's batch-time code, with the launch emulated on the CPU."""
-    seen: list[tuple[int, bool, tuple[int, ...]]] = []
+    """The kernel route's batch-time code, with the launch emulated on the CPU (the
+    prepared launch densifies strided ids itself: test_review_session15_kernels)."""
+    seen: list[tuple[int, tuple[int, ...], bool]] = []
 
-    def launch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
-        seen.append((ids.dim(), ids.is_contiguous(), tuple(out.shape)))
+    def launch(
+        table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, *, dedup: bool = False
+    ) -> None:
+        seen.append((ids.dim(), tuple(out.shape), dedup))
         assert out.is_contiguous() and out.dtype == table.dtype
         torch.index_select(table, 0, ids, out=out)  # what the kernel computes
 
-    monkeypatch.setattr(_kernels, "launch_gather", launch)
-    monkeypatch.setattr(_kernels, "gather_rows", launch)  # (a sampler batch's prepared launch)
+    monkeypatch.setattr(_kernels, "gather_rows", launch)
     view = torch.randn(50, 3, 2)
-    for ids in (
-        torch.arange(10),
-        torch.arange(40)[::3],  # strided: the kernel reads ids densely
-        torch.tensor([[1, 2], [3, 4]]).T,  # 2-D, not contiguous
-        torch.tensor(7),
-        torch.empty(0, dtype=torch.int64),
-    ):
-        out = _dataset._kernel_gather(view, (3, 2), ids)
-        assert seen[-1][:2] == (1, True) and seen[-1][2] == (ids.numel(), 3, 2)
-        assert out.shape == (*ids.shape, 3, 2)
-        assert torch.equal(out, view[ids])
+    for dedup in (False, True):
+        for ids in (
+            torch.arange(10),
+            torch.arange(40)[::3],  # strided
+            torch.tensor([[1, 2], [3, 4]]).T,  # 2-D, not contiguous
+            torch.tensor(7),
+            torch.empty(0, dtype=torch.int64),
+        ):
+            out = _dataset._kernel_gather(view, (3, 2), ids, dedup=dedup)
+            assert seen[-1] == (1, (ids.numel(), 3, 2), dedup)
+            assert out.shape == (*ids.shape, 3, 2)
+            assert torch.equal(out, view[ids])
 
 
 # ---- on a GPU: the kernel route itself --------------------------------------------------------

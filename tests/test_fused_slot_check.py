@@ -293,7 +293,9 @@ def test_unchecked_cuda_ids_gather_by_one_kernel_launch(
     g = gl.DataGadget(base.clone(), placement=placement)
     launches = []
     real = _kernels.gather_rows
-    monkeypatch.setattr(_kernels, "gather_rows", lambda *a: (launches.append(1), real(*a))[1])
+    monkeypatch.setattr(
+        _kernels, "gather_rows", lambda *a, **k: (launches.append(1), real(*a, **k))[1]
+    )
     ids = torch.tensor([5, 999, 5, 0, rows, -4], device="cuda")
     got = g.getData(ids, check_ids=False)
     assert launches == [1]

@@ -353,7 +353,7 @@ class GadgetDataset(Dataset[Any]):
             if view is None:  # the store's general gather (which also reports a closed store)
                 out.append(step.store.gather(dev_ids, target, strategy=step.strategy))
             elif route is _KERNEL:
-                out.append(_kernel_gather(view, step.row_shape, dev_ids))
+                out.append(_kernel_gather(view, step.row_shape, dev_ids, dedup=not own))
             else:
                 step.store.wait_for_gpu()  # a pinned table: queued GPU writes land first
                 out.append(_host_gather(view, step.row_shape, dev_ids, target))
@@ -721,17 +721,18 @@ def _route(store: Any, strategy: str, target: torch.device) -> str:
 
 
 def _kernel_gather(
-    view: torch.Tensor, row_shape: tuple[int, ...], ids: torch.Tensor
+    view: torch.Tensor, row_shape: tuple[int, ...], ids: torch.Tensor, *, dedup: bool
 ) -> torch.Tensor:
-    """``view[ids]`` by one launch of the row kernel (``ids``: checked int64 on the view's
-    device); what ``Store.gather`` launches for the ``kernel`` strategy, bit for bit."""
-    if ids.dim() == 1 and ids.is_contiguous():  # a sampler's batch
+    """``view[ids]`` by the row kernel (``ids``: checked int64 on the view's device); what
+    ``Store.gather`` launches for the ``kernel`` strategy, bit for bit. ``dedup``: the ids
+    may repeat (not a sampler's batch), so a large request reads each row once."""
+    if ids.dim() == 1:  # a sampler's batch (gather_rows densifies ids it cannot read)
         out = view.new_empty(ids.shape[0], *row_shape)
-        _kernels.gather_rows(view, ids, out)
+        _kernels.gather_rows(view, ids, out, dedup=dedup)
         return out
-    flat = ids.reshape(-1).contiguous()  # the kernel reads ids densely
+    flat = ids.reshape(-1)
     out = view.new_empty(flat.numel(), *row_shape)
-    _kernels.launch_gather(view, flat, out)
+    _kernels.gather_rows(view, flat, out, dedup=dedup)
     return out.view(tuple(ids.shape) + row_shape)
 
 

@@ -396,11 +396,15 @@ def _run_gather(
         for table, out in zip(tables, flat_outs, strict=True):
             torch.index_select(table, 0, flat, out=out)
         return
-    pos = None
+    pos = slot = None
     if how == "sorted" and not ids_sorted:
         flat, pos = torch.sort(flat)
+    elif how == "kernel" and not ids_sorted:  # (ids of a row plan are distinct)
+        slot = _kernels.dedup_slots(tables[0], flat.numel())
+        if slot is not None:  # each distinct row crosses the link once
+            _kernels.launch_gather_slots(flat, slot)
     for g in _groups(tables):
-        _kernels.launch_gather(tables[g], flat, flat_outs[g], pos, ordered=ordered)
+        _kernels.launch_gather(tables[g], flat, flat_outs[g], pos, ordered=ordered, slot=slot)
 
 
 def _tune_key(tables: list[torch.Tensor], flat: torch.Tensor, ids_sorted: bool) -> tuple[Any, ...]:

@@ -91,10 +91,13 @@ _SOURCE = r"""
 // count (may be null): a device-side number of ids to move, read by the kernel so that a
 // row plan built on the GPU needs no synchronisation to learn its size; a gather zero-fills
 // the output rows from *count to n, a scatter writes only the first *count ids.
+// slot (may be null; no pos, no count): a gather that reads each distinct row once --
+// gl_last_slot's phase 2 left in every named row's slot one position naming it, only that
+// entry reads the host, and gl_gather_repeats then copies its row to the other entries.
 struct GatherArgs {
     const void* table[4]; void* out[4];
     long long n_rows, vpr, pitch, segs; const long long* ids; const long long* pos; long long n;
-    const long long* count;
+    const long long* count; const int* slot;
 };
 struct ScatterArgs {
     void* table[4]; const void* rows[4];
@@ -149,8 +152,10 @@ __device__ __forceinline__ void gather_rows(const GatherArgs& a)
                 divmod(k, span, small, j, cc);
                 if (a.segs > 1) divmod(cc, a.vpr, small, s, c); else c = cc;
                 const long long r = j < valid ? a.ids[j] : -1;  // rows past the count: zeros
+                const bool inside = r >= 0 && r < a.n_rows;      // never read outside
+                if (inside && a.slot && a.slot[r] != (int)j) continue;  // a repeat: copied later
                 dst[u] = (V*)a.out[y + s] + (a.pos ? a.pos[j] : j) * a.vpr + c;
-                v[u] = (r >= 0 && r < a.n_rows) ? src[r * a.pitch + cc] : V();  // never read outside
+                v[u] = inside ? src[r * a.pitch + cc] : V();
             }
         }
 #pragma unroll
@@ -180,6 +185,30 @@ __device__ __forceinline__ void gather_rows_in_order(const GatherArgs& a)
         long long s = 0, c = cc;
         if (a.segs > 1) divmod(cc, a.vpr, span < 4294967296LL, s, c);
         ((V*)a.out[y + s])[o + c] = inside ? src[r * a.pitch + cc] : V();
+    }
+}
+
+// The second half of a gather that reads each distinct row once (GatherArgs.slot): every
+// entry whose id is inside the table but not the one its slot names copies that entry's
+// row, which the gather has written (an earlier launch on the same stream).
+template <typename V>
+__device__ __forceinline__ void gather_repeats(const GatherArgs& a)
+{
+    const int y = blockIdx.y;
+    const long long span = a.vpr * a.segs;
+    const long long total = a.n * span;
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    const bool small = total + stride < 4294967296LL;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        long long j, cc, s = 0, c;
+        divmod(i, span, small, j, cc);
+        const long long r = a.ids[j];
+        if (r < 0 || r >= a.n_rows) continue;
+        const long long o = a.slot[r];
+        if (o == j) continue;
+        if (a.segs > 1) divmod(cc, a.vpr, small, s, c); else c = cc;
+        V* out = (V*)a.out[y + s];
+        out[j * a.vpr + c] = out[o * a.vpr + c];
     }
 }
 
@@ -260,6 +289,8 @@ __device__ __forceinline__ void scatter_rows_in_order(const ScatterArgs& a)
 extern "C" __global__ void gl_gather_##SUFFIX(const GatherArgs a) { gather_rows<V>(a); } \
 extern "C" __global__ void gl_gather_rows_##SUFFIX(const GatherArgs a)                   \
 { gather_rows_in_order<V>(a); }                                                          \
+extern "C" __global__ void gl_gather_repeats_##SUFFIX(const GatherArgs a)                \
+{ gather_repeats<V>(a); }                                                                \
 extern "C" __global__ void gl_scatter_##SUFFIX(const ScatterArgs a) { scatter_rows<V>(a); } \
 extern "C" __global__ void gl_scatter_rows_##SUFFIX(const ScatterArgs a)                 \
 { scatter_rows_in_order<V>(a); }
@@ -362,6 +393,9 @@ extern "C" __global__ void __launch_bounds__(1024) gl_plan(const PlanArgs a)
 // With flag_out (mode 3's range check, fused into the merge): the slots have one more
 // entry, slot[n_rows], zeroed before phase 0; phase 0 sets it to 1 for any id outside the
 // table, and phase 1 copies it to flag_out (a page-locked host word the host reads).
+// Phase 2 (a gather that reads each distinct row once): one plain store per id inside the
+// table, so its slot ends up holding one of the positions naming it (any one: the rows
+// they read are the same); every slot read later was written here, so none needs a reset.
 struct SlotArgs { const long long* ids; int* slot; long long n, n_rows, phase; long long* flag_out; };
 
 extern "C" __global__ void gl_last_slot(const SlotArgs a)
@@ -376,7 +410,8 @@ extern "C" __global__ void gl_last_slot(const SlotArgs a)
             continue;
         }
         if (a.phase == 0) a.slot[r] = -1;
-        else atomicMax(a.slot + r, (int)j);
+        else if (a.phase == 1) atomicMax(a.slot + r, (int)j);
+        else a.slot[r] = (int)j;
     }
 }
 
@@ -799,8 +834,8 @@ def _pointer_args(tensors: list[torch.Tensor]) -> list[int]:
     return ptrs + [ptrs[0]] * (MAX_TABLES - len(ptrs))  # unused slots: never selected
 
 
-#: the kernels' argument structs as raw 8-byte words (GatherArgs: 16, ScatterArgs: 19)
-_GATHER_ARGS = np.dtype([("w", np.uint64, (16,))])
+#: the kernels' argument structs as raw 8-byte words (GatherArgs: 17, ScatterArgs: 19)
+_GATHER_ARGS = np.dtype([("w", np.uint64, (17,))])
 _SCATTER_ARGS = np.dtype([("w", np.uint64, (19,))])
 
 
@@ -901,6 +936,7 @@ def launch_gather(
     ordered: bool = False,
     blocks_per_sm: int | None = None,
     rows_per_block: int | None = None,
+    slot: torch.Tensor | None = None,
 ) -> None:
     """``out[pos[j]] = table[ids[j]]`` (``out[j]`` when ``pos`` is None) for every ``j``.
 
@@ -918,6 +954,11 @@ def launch_gather(
     row size): the same ids are gathered from every table in one launch. An id
     outside the table yields a zero row (nothing outside the table is read).
 
+    ``slot`` (see :func:`dedup_slots`), filled by :func:`launch_gather_slots` for these
+    ``ids``: each distinct row is read once, by the entry its slot names, and a second
+    launch copies it to the entries that repeat it (no ``pos``, ``count`` or in-order
+    launch; the result is the same).
+
     Tables are CUDA-addressable tensors (GPU memory or a mapped host buffer), ``ids``
     and ``pos`` int64 CUDA tensors, outputs contiguous CUDA tensors. The launch is
     ordered on torch's current stream.
@@ -926,12 +967,18 @@ def launch_gather(
     outs = out if isinstance(out, list) else [out]
     n = ids.numel()
     geom = _check_group(tables, outs, ids, pos, n)
+    if slot is not None:
+        _check_slot(slot, tables[0], ids, pos)
+        if count is not None:
+            raise ValueError("a gather that reads each row once takes no count")
     if n == 0 or geom[0] == 0:
         return
     device = outs[0].device
     if ordered and blocks_per_sm is None and max_vector >= 16:
         blocks_per_sm, max_vector = _ordered_launch(tables, outs, geom, n)
     in_order, per_block = _in_order_shape(blocks_per_sm, rows_per_block, n)
+    if in_order and slot is not None:
+        raise ValueError("a gather that reads each row once takes no in-order launch")
     w, vpr, pitch, segs, gy = _layout(tables, outs, geom, max_vector)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     block = BLOCK
@@ -941,24 +988,83 @@ def launch_gather(
     else:
         grid = _grid(n * vpr * segs, idx, unroll, blocks_per_sm)
         kernel = _function(idx, unroll, f"gl_gather_{w}")
+    words = [
+        *_pointer_args(tables),
+        *_pointer_args(outs),
+        tables[0].shape[0],
+        vpr,
+        pitch,
+        segs,
+        ids.data_ptr(),
+        0 if pos is None else pos.data_ptr(),
+        n,
+        _count_ptr(count, device),
+        0 if slot is None else slot.data_ptr(),
+    ]
+    _launch(kernel, (grid, gy), words, _GATHER_ARGS, device, block)
+    if slot is not None:
+        repeats = _function(idx, UNROLL, f"gl_gather_repeats_{w}")
+        _launch(repeats, (_grid(n * vpr * segs, idx), gy), words, _GATHER_ARGS, device)
+
+
+#: a gather of at least this many ids from a table in host memory of at most
+#: :data:`DEDUP_MAX_ROWS` rows reads each distinct row once (:func:`dedup_slots`): repeated
+#: ids cost the link their bytes again otherwise (the GPU's cache does not keep them: on
+#: the H200, 131,072 uniform ids with 6% repeats took as long as 131,072 distinct ones).
+#: H200, ``getData`` from the 1M x 512 B seed table (DESIGN.md, "Gathers read each row
+#: once"): 131,072 ids 4% less time with uniform repeats, 25% less with a skewed request
+#: (68% distinct), 2% more without repeats; 65,536 ids 1%, 17% less and 3% more; at 16,384
+#: ids the two extra launches cost more than they saved
+DEDUP_MIN_IDS = 1 << 16
+#: the slot array of such a gather holds 4 bytes per table row (64 MiB at most)
+DEDUP_MAX_ROWS = 1 << 24
+
+
+def dedup_slots(table: torch.Tensor, n: int) -> torch.Tensor | None:
+    """A slot array (one int32 per table row, uninitialised) for a gather of ``n`` ids
+    from ``table`` that reads each distinct row once, where that pays: a table in host
+    memory of at most :data:`DEDUP_MAX_ROWS` rows, at least :data:`DEDUP_MIN_IDS` ids.
+    None otherwise (the plain gather)."""
+    rows = table.shape[0] if table.dim() else 0
+    if not (DEDUP_MIN_IDS <= n < 2**31 and 0 < rows <= DEDUP_MAX_ROWS and table.is_cuda):
+        return None
+    if not in_host_memory(table):
+        return None
+    return torch.empty(rows, dtype=torch.int32, device=table.device)
+
+
+def launch_gather_slots(ids: torch.Tensor, slot: torch.Tensor) -> None:
+    """Fill ``slot`` for a gather of contiguous 1-D int64 ``ids`` that reads each row
+    once: the slot of every id inside the table (``slot`` has one entry per table row)
+    gets one of the positions naming it. One launch of plain stores; ids outside the
+    table are skipped (the gather gives them zero rows)."""
+    n = ids.numel()
+    if ids.dtype != torch.int64 or not ids.is_contiguous() or ids.dim() != 1:
+        raise ValueError(
+            f"ids must be a contiguous 1-D int64 tensor; got {ids.dtype} {ids.dim()}-D"
+        )
+    if (
+        slot.dtype != torch.int32
+        or slot.dim() != 1
+        or not slot.is_contiguous()
+        or slot.device != ids.device
+    ):
+        raise ValueError(
+            f"the slots must be a contiguous 1-D int32 tensor on {ids.device}; got "
+            f"{tuple(slot.shape)} {slot.dtype} on {slot.device}"
+        )
+    if n >= 2**31:
+        raise ValueError(f"the slots take under 2**31 ids; got {n}")
+    if n == 0:
+        return
+    device = ids.device
+    idx = device.index if device.index is not None else torch.cuda.current_device()
     _launch(
-        kernel,
-        (grid, gy),
-        [
-            *_pointer_args(tables),
-            *_pointer_args(outs),
-            tables[0].shape[0],
-            vpr,
-            pitch,
-            segs,
-            ids.data_ptr(),
-            0 if pos is None else pos.data_ptr(),
-            n,
-            _count_ptr(count, device),
-        ],
-        _GATHER_ARGS,
+        _function(idx, UNROLL, "gl_last_slot"),
+        (max(1, min(-(-n // BLOCK), _max_blocks(idx))), 1),
+        [ids.data_ptr(), slot.data_ptr(), n, slot.numel(), 2, 0],
+        _SLOT_ARGS,
         device,
-        block,
     )
 
 
@@ -968,11 +1074,15 @@ def launch_gather(
 _row_gathers: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
 
-def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+def gather_rows(
+    table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, *, dedup: bool = False
+) -> None:
     """``out[j] = table[ids[j]]``: exactly :func:`launch_gather`'s launch for one table,
     with its checks and geometry resolved once per table (a data loader's batch costs a
     lookup and ``cuLaunchKernel``). ``ids``: 1-D contiguous int64 on the device; ``out``:
     contiguous, ``(ids.numel(), *row_shape)``; anything else takes :func:`launch_gather`.
+    ``dedup``: read each distinct row once where :func:`dedup_slots` says it pays (ids
+    that may repeat; a sampler's batch, which cannot, leaves it off).
     """
     key = (table.data_ptr(), table.shape, table.stride(), table.dtype, table.device)
     prep = _row_gathers.get(key)
@@ -1011,15 +1121,21 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> No
         or not (ids.is_contiguous() and out.is_contiguous())
     ):
         # the general launch, which reads ids densely and refuses what does not fit
-        launch_gather(table, ids.reshape(-1).contiguous(), out)
+        flat = ids.reshape(-1).contiguous()
+        slot = dedup_slots(table, n) if dedup else None
+        if slot is not None:
+            launch_gather_slots(flat, slot)
+        launch_gather(table, flat, out, slot=slot)
         return
-    _launch(
-        fn,
-        (_grid(n * span, idx), 1),
-        [*head, *([out.data_ptr()] * MAX_TABLES), *tail, ids.data_ptr(), 0, n, 0],
-        _GATHER_ARGS,
-        device,
-    )
+    slot = dedup_slots(table, n) if dedup else None
+    if slot is not None:
+        launch_gather_slots(ids, slot)
+    words = [*head, *([out.data_ptr()] * MAX_TABLES), *tail, ids.data_ptr(), 0, n, 0]
+    words.append(0 if slot is None else slot.data_ptr())
+    grid = (_grid(n * span, idx), 1)
+    _launch(fn, grid, words, _GATHER_ARGS, device)
+    if slot is not None:
+        _launch(_function(idx, UNROLL, f"gl_gather_repeats_{w}"), grid, words, _GATHER_ARGS, device)
 
 
 def launch_scatter(
@@ -1423,6 +1539,7 @@ class FusedLauncher:
                 0,
                 n,
                 _count_ptr(count, self.device),
+                0,
             ],
             _GATHER_ARGS,
             self.device,
