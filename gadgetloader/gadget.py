@@ -753,6 +753,7 @@ class DataGadget:
         # check; an `out` inside the table, which the gather writes before a check could
         # refuse the ids, takes the plain path)
         if where.type == "cuda":
+            may_repeat = not isinstance(indexes, range)  # (a slice of rows is a range)
             indexes = int64_ids(indexes, len(self), where)
             plan = self._kernel_plan(dev, indexes.numel())
             if plan is not None:
@@ -773,7 +774,7 @@ class DataGadget:
                                 if out is None
                                 else out
                             )
-                            _kernels.gather_rows(view, ids, rows, dedup=True)
+                            _kernels.gather_rows(view, ids, rows, dedup=may_repeat)
                         else:
                             rows = self._store.gather(ids, dev, out=out, strategy=self._strategy)
                     except BaseException:

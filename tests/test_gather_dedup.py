@@ -13,10 +13,13 @@ outside the table, the slots or the output.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 from conftest import NEEDS_CUPY
+from test_review_session15_kernels import emu  # noqa: F401  (the emulated launches)
 
 import gadgetloader as gl
 from gadgetloader.transfer import _engine, _kernels
@@ -24,9 +27,36 @@ from gadgetloader.transfer import _engine, _kernels
 # --- on the CPU: the plumbing refuses what does not fit ------------------------------------
 
 
-def test_no_slots_for_a_table_outside_the_gpu_or_a_small_request() -> None:
+class _FakeCudaTable:
+    """What :func:`_kernels.dedup_slots` asks of a table, for a CUDA table on the CPU."""
+
+    def __init__(self, rows: int, host_memory: bool = True) -> None:
+        self.shape, self.is_cuda, self.device = (rows, 4), True, torch.device("cpu")
+        self.host_memory = host_memory
+
+    def dim(self) -> int:
+        return 2
+
+
+def test_slots_only_where_they_pay(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_kernels, "in_host_memory", lambda t: t.host_memory)
+    low, per_id, top = _kernels.DEDUP_MIN_IDS, _kernels.DEDUP_ROWS_PER_ID, _kernels.DEDUP_MAX_ROWS
+    assert (low, per_id, top) == (1 << 16, 16, 1 << 24)  # as README and DESIGN say
+
+    def slots(rows: int, n: int, host: bool = True) -> torch.Tensor | None:
+        return _kernels.dedup_slots(_FakeCudaTable(rows, host), n)  # type: ignore[arg-type]
+
+    got = slots(1_000_000, 131_072)  # the seed's request
+    assert got is not None and got.dtype == torch.int32 and got.shape == (1_000_000,)
+    assert slots(1_000_000, low - 1) is None  # too few ids to pay for the launches
+    assert slots(low * per_id, low) is not None
+    assert slots(low * per_id + 1, low) is None  # too sparse: few repeats to save
+    assert slots(8_000_000, 131_072) is None  # (measured 5% slower with the slots)
+    assert slots(top + 1, 2**24) is None and slots(top, 2**24) is not None
+    assert slots(1_000_000, 2**31) is None
+    assert slots(1_000_000, 131_072, host=False) is None  # a table in GPU memory
+    assert slots(0, 131_072) is None
     assert _kernels.dedup_slots(torch.zeros(100, 4), 1 << 20) is None  # a CPU table
-    assert _kernels.DEDUP_MIN_IDS > 1 and _kernels.DEDUP_MAX_ROWS == 1 << 24
 
 
 def test_a_gather_that_reads_rows_once_refuses_pos_count_and_bad_slots() -> None:
@@ -45,6 +75,89 @@ def test_a_gather_that_reads_rows_once_refuses_pos_count_and_bad_slots() -> None
         _kernels.launch_gather_slots(ids.int(), slot)
     with pytest.raises(ValueError, match="int32"):
         _kernels.launch_gather_slots(ids, slot.long())
+    for how in ({"ordered": True}, {"blocks_per_sm": 0}, {"rows_per_block": 1}):
+        with pytest.raises(ValueError, match="grid-stride launch"):
+            _kernels.launch_gather(table, ids, out, slot=slot, **how)  # type: ignore[arg-type]
+
+
+# --- emulated on the CPU: the kernels as transcribed in test_review_session15_kernels ------
+
+
+def test_emulated_slots_repeats_views_and_bad_ids_stay_inside(emu: Any) -> None:  # noqa: F811
+    """The words of the three launches are packed right: a column slice (pitch != row,
+    4-byte vectors), interleaved slots moved as one wide row, several tables in one launch,
+    bad ids; the emulator refuses any access outside the tensors given."""
+    base = torch.arange(40 * 9, dtype=torch.float32).reshape(40, 9)
+    view = base[:, 1:5]
+    ids = torch.tensor([3, -1, 39, 3, 40, 2**63 - 1, 3, 0, 39, 0])
+    inside = (ids >= 0) & (ids < 40)
+    slot = torch.full((40,), -5, dtype=torch.int32)
+    _kernels.launch_gather_slots(ids, slot)
+    assert slot[3].item() in (0, 3, 6) and slot[39].item() in (2, 8) and slot[1].item() == -5
+    out = torch.full((10, 4), -7.0)
+    _kernels.launch_gather(view, ids, out, slot=slot)
+    want = torch.zeros(10, 4)
+    want[inside] = view[ids[inside]]
+    assert torch.equal(out, want)
+    assert emu.launches[-3:] == ["gl_last_slot", "gl_gather_4", "gl_gather_repeats_4"]
+    inter = torch.arange(30 * 3 * 4, dtype=torch.float32).reshape(30, 3, 4)
+    parts = [inter[:, k] for k in range(3)]
+    assert _kernels.group_geometry(parts)[2] == 3
+    sid = torch.tensor([1, 29, 1, 30, -5, 29, 29])
+    ok = (sid >= 0) & (sid < 30)
+    islot = torch.empty(30, dtype=torch.int32)
+    _kernels.launch_gather_slots(sid, islot)
+    outs = [torch.full((7, 4), -1.0) for _ in parts]
+    _kernels.launch_gather(parts, sid, outs, slot=islot)
+    for k, o in enumerate(outs):
+        assert torch.equal(o[ok], inter[sid[ok], k]) and bool((o[~ok] == 0).all())
+    separate = [torch.randn(30, 4) for _ in range(2)]
+    outs = [torch.empty(7, 4) for _ in separate]
+    _kernels.launch_gather(separate, sid, outs, slot=islot)
+    for t, o in zip(separate, outs, strict=True):
+        assert torch.equal(o[ok], t[sid[ok]]) and bool((o[~ok] == 0).all())
+
+
+def test_emulated_slots_that_name_no_entry_of_the_id_still_give_the_right_rows(
+    emu: Any,  # noqa: F811
+) -> None:
+    """Slots not filled for these ids (or ids changed between the launches): the repeats
+    launch then reads the table, never another place of the output or outside it."""
+    table = torch.randn(20, 8)
+    ids = torch.tensor([4, 4, 7, 19, 0, 7, 4, -2, 25])
+    inside = (ids >= 0) & (ids < 20)
+    gen = torch.Generator().manual_seed(1)
+    for fill in (
+        torch.full((20,), 2**31 - 1, dtype=torch.int32),  # past the output
+        torch.full((20,), -(2**31), dtype=torch.int32),  # negative
+        torch.randint(0, 9, (20,), generator=gen, dtype=torch.int32),  # entries of other ids
+        torch.randint(-(2**31), 2**31 - 1, (20,), generator=gen, dtype=torch.int32),
+    ):
+        out = torch.full((9, 8), 3.0)
+        _kernels.launch_gather(table, ids, out, slot=fill.clone())
+        assert torch.equal(out[inside], table[ids[inside]])
+        assert bool((out[~inside] == 0).all())
+
+
+def test_emulated_prepared_gather_reads_rows_once(
+    emu: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    table = torch.randn(50, 6)
+    slot = torch.full((50,), -1, dtype=torch.int32)
+    monkeypatch.setattr(_kernels, "dedup_slots", lambda t, n: slot)
+    emu.ranges.append(emu.given("slots", slot))  # (gather_rows makes them itself)
+    ids = torch.tensor([9, 9, 49, 0, 9, 51, -1, 0])
+    inside = (ids >= 0) & (ids < 50)
+    out = torch.full((8, 6), 2.0)
+    _kernels.gather_rows(table, ids, out, dedup=True)
+    assert emu.launches[-3:] == ["gl_last_slot", "gl_gather_8", "gl_gather_repeats_8"]
+    assert torch.equal(out[inside], table[ids[inside]]) and bool((out[~inside] == 0).all())
+    _kernels.gather_rows(table, ids[::2], out[:4], dedup=True)  # strided ids: densified
+    assert torch.equal(out[:4][inside[::2]], table[ids[::2][inside[::2]]])
+    n = len(emu.launches)
+    _kernels.gather_rows(table, ids, out, dedup=False)
+    assert emu.launches[n:] == ["gl_gather_8"]
 
 
 # --- on the GPU ---------------------------------------------------------------------------
@@ -100,6 +213,8 @@ def test_get_data_with_repeats_reads_each_row_once_and_matches_numpy(
     assert calls[-1] == n
     calls.clear()
     g.getData(torch.randint(0, rows, (_kernels.DEDUP_MIN_IDS - 1,)))  # too few to pay
+    got = g.getData(slice(1000, 1000 + n))  # a slice of rows holds no repeats
+    assert np.array_equal(got.cpu().numpy(), base[1000 : 1000 + n])
     assert calls == []
     g.close()
 
@@ -153,6 +268,15 @@ def test_unchecked_bad_ids_give_zero_rows_and_nothing_outside_is_touched(
         g.getData(cids)
     with pytest.raises(gl.GadgetIndexError):
         g.getData(ids)
+    # slots not filled for these ids: the rows are still right, nothing outside is touched
+    for fill in (2**31 - 1, -(2**31), 7):
+        slot.fill_(fill)
+        big.fill_(5.0)
+        _kernels.launch_gather(table, cids, out, slot=slot)
+        torch.cuda.synchronize()
+        assert torch.equal(out[inside].cpu(), ref[ids[inside]]) and (out[~inside.cuda()] == 0).all()
+        assert (big[0] == 5).all() and (big[-1] == 5).all()
+        assert pad[0].item() == -7 and pad[-1].item() == -7
     assert torch.equal(table.cpu(), ref)  # a gather never writes the table
     g.close()
 

@@ -83,11 +83,18 @@ class _Emulator:
     def i64(self, addr: int) -> int:
         return int.from_bytes(self.read(addr, 8), "little", signed=True)
 
+    def i32(self, addr: int) -> int:
+        return int.from_bytes(self.read(addr, 4), "little", signed=True)
+
     def launch(self, kernel: Any, grid: Any, words: list[int], *args: Any, **kw: Any) -> None:
         name = kernel[0]
         self.launches.append(name)
         w = [int(x) for x in words]
-        if name.startswith("gl_gather_"):
+        if name.startswith("gl_gather_repeats_"):
+            self._repeats(int(name.rsplit("_", 1)[1]), int(grid[1]), w)
+        elif name == "gl_last_slot" and w[4] == 2:
+            self._claim(w)
+        elif name.startswith("gl_gather_"):
             self._gather(int(name.rsplit("_", 1)[1]), int(grid[1]), w)
         elif name.startswith("gl_scatter_"):
             self._scatter(int(name.rsplit("_", 1)[1]), int(grid[1]), w)
@@ -96,11 +103,13 @@ class _Emulator:
 
     def _gather(self, vec: int, gy: int, w: list[int]) -> None:
         tables, outs = w[0:4], w[4:8]
-        n_rows, vpr, pitch, segs, ids, pos, n, count = w[8:16]
+        n_rows, vpr, pitch, segs, ids, pos, n, count, slot = w[8:17]
         valid = n if not count else min(max(self.i64(count), 0), n)
         for y in range(gy):
             for j in range(n):
                 r = self.i64(ids + 8 * j) if j < valid else -1
+                if slot and 0 <= r < n_rows and self.i32(slot + 4 * r) != j:
+                    continue  # a repeat: gl_gather_repeats copies it
                 p = self.i64(pos + 8 * j) if pos else j
                 for s in range(segs):
                     if 0 <= r < n_rows:
@@ -108,6 +117,35 @@ class _Emulator:
                     else:
                         data = bytes(vpr * vec)
                     self.write(outs[y + s] + p * vpr * vec, data)
+
+    def _claim(self, w: list[int]) -> None:
+        """``gl_last_slot`` phase 2: each id inside the table stores its position."""
+        ids, slot, n, n_rows = w[0:4]
+        for j in range(n):
+            r = self.i64(ids + 8 * j)
+            if 0 <= r < n_rows:
+                self.write(slot + 4 * r, int(j).to_bytes(4, "little", signed=True))
+
+    def _repeats(self, vec: int, gy: int, w: list[int]) -> None:
+        """``gl_gather_repeats``: entries their id's slot does not name copy the named
+        entry's row, or read the table where the slot names no entry of that id."""
+        tables, outs = w[0:4], w[4:8]
+        n_rows, vpr, pitch, segs, ids, _pos, n, _count, slot = w[8:17]
+        for y in range(gy):
+            for j in range(n):
+                r = self.i64(ids + 8 * j)
+                if not 0 <= r < n_rows:
+                    continue
+                o = self.i32(slot + 4 * r)
+                if o == j:
+                    continue
+                named = 0 <= o < n and self.i64(ids + 8 * o) == r
+                for s in range(segs):
+                    if named:
+                        data = self.read(outs[y + s] + o * vpr * vec, vpr * vec)
+                    else:
+                        data = self.read(tables[y] + (r * pitch + s * vpr) * vec, vpr * vec)
+                    self.write(outs[y + s] + j * vpr * vec, data)
 
     def _scatter(self, vec: int, gy: int, w: list[int]) -> None:
         tables, rows = w[0:4], w[4:8]
@@ -154,7 +192,13 @@ def emu(monkeypatch: pytest.MonkeyPatch) -> _Emulator:
     monkeypatch.setattr(_kernels, "_row_gathers", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(_engine, "cupy_available", lambda: True)
-    for name in ("launch_gather", "launch_scatter", "gather_rows", "launch_segment_sum"):
+    for name in (
+        "launch_gather",
+        "launch_scatter",
+        "gather_rows",
+        "launch_segment_sum",
+        "launch_gather_slots",
+    ):
         monkeypatch.setattr(_kernels, name, _guarded(e, getattr(_kernels, name)))
     fl = _kernels.FusedLauncher
 
