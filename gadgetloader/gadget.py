@@ -715,6 +715,10 @@ class DataGadget:
             kernels never read outside the table whatever the ids: an unchecked
             out-of-range id yields a zero row.
 
+        Repeated ids are allowed. A large gather from a ``pinned`` table (at least 65,536
+        ids, at most 16 table rows per id; README, "Repeated ids in a gather") reads each
+        distinct row over the link once and copies it on the GPU to its repeats.
+
         Raises
         ------
         GadgetIndexError
