@@ -7,7 +7,9 @@ written, so a bad id never half-updates a table. (A GPU gather by the row kernel
 never read outside a table, may run before its ids' check finishes: :func:`checked_after`;
 a GPU scatter too, guarded on the GPU by the ids' (smallest, largest) pair, so that it
 writes nothing if an id is bad: :func:`start_guarded_check`; or by a flag that the
-sort-free merge of its repeated ids raises for an id outside the table: :func:`flag_word`.)
+sort-free merge of its repeated ids raises for an id outside the table: :func:`flag_word`,
+as does the slots launch of a gather that reads each distinct row once:
+:func:`start_flag_check`.)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ._device import pinned_empty
 from ._errors import GadgetIndexError, GadgetTypeError, GadgetValueError
 
 __all__ = [
+    "FlagCheck",
     "GuardedCheck",
     "as_ids",
     "check_range",
@@ -33,6 +36,7 @@ __all__ = [
     "last_writer",
     "LastWriter",
     "range_check_of",
+    "start_flag_check",
     "start_guarded_check",
     "start_range_check",
 ]
@@ -329,6 +333,47 @@ def start_guarded_check(ids: torch.Tensor, num_rows: int) -> GuardedCheck:
     buf.copy_(ends, non_blocking=True)
     done = torch.cuda.current_stream(ids.device).record_event()
     return GuardedCheck(ends, range_check_of(buf, num_rows, done))
+
+
+class FlagCheck:
+    """A range check of CUDA ids fused into the gather that reads them: the gather's
+    slots launch (:func:`gadgetloader.transfer._kernels.gather_rows`, given
+    :attr:`flag`) sets the thread's page-locked flag word for any id outside the table,
+    and :attr:`event` follows that launch. Calling it finishes the check: waits for the
+    event (not for the gather), and raises :class:`GadgetIndexError` with the usual
+    message if the flag is set. Where the gather did not arm the flag (:attr:`event`
+    None), calling it checks the ids the ordinary way. Like the other checks it must be
+    finished before the thread starts another."""
+
+    __slots__ = ("event", "flag", "ids", "num_rows")
+
+    def __init__(self, flag: int, ids: torch.Tensor, num_rows: int) -> None:
+        self.flag, self.ids, self.num_rows = flag, ids, num_rows
+        self.event: Any = None
+
+    def __call__(self) -> None:
+        event, self.event = self.event, None
+        if event is None:
+            check_range(self.ids, self.num_rows)
+            return
+        event.synchronize()
+        if read_flag():
+            check_range(self.ids, self.num_rows)  # raises, saying which id
+            raise GadgetIndexError(  # (the ids changed after the gather read them)
+                f"an id was outside the table ({self.num_rows} rows) when it was read"
+            )
+
+
+def start_flag_check(ids: torch.Tensor, num_rows: int) -> FlagCheck | None:
+    """A :class:`FlagCheck` of the CUDA ``ids`` with this thread's flag word zeroed, for a
+    gather that takes the flag; None where the word is not mapped into the ids' device
+    (then check the ordinary way)."""
+    flag = flag_word(ids.device)
+    if flag is None:
+        return None
+    assert _ends.host is not None
+    _ends.host[0] = 0  # (no GPU work writes it: the thread's last check has finished)
+    return FlagCheck(flag, ids, num_rows)
 
 
 def start_range_check(ids: torch.Tensor, num_rows: int, *, private: bool = False) -> Any:

@@ -27,12 +27,14 @@ from ._errors import (
 )
 from ._ids import (
     _WIDE_UNSIGNED,
+    FlagCheck,
     _nothing,
     _upload,
     as_ids,
     check_range,
     checked_after,
     int64_ids,
+    start_flag_check,
     start_guarded_check,
 )
 from ._paths import as_path
@@ -765,12 +767,26 @@ class DataGadget:
                 if out is not None:
                     _check_out(out, (*indexes.shape, *self.row_shape), self.dtype, dev)
                 if out is None or not shares_memory(out, view):
-                    if check_ids or not indexes.is_cuda:
+                    one_launch = how == "kernel" and indexes.dim() == 1
+                    fused: FlagCheck | None = None
+                    if (
+                        check_ids
+                        and indexes.is_cuda
+                        and one_launch
+                        and may_repeat
+                        and _kernels.reads_once(view, indexes.numel())
+                    ):
+                        # the check rides on the launch that fills the gather's slots
+                        fused = start_flag_check(indexes, len(self))
+                    check: Callable[[], None]
+                    if fused is not None:
+                        ids, check = indexes, fused
+                    elif check_ids or not indexes.is_cuda:
                         ids, check = checked_after(indexes, len(self), where)
                     else:
                         ids, check = indexes, _nothing
                     try:
-                        if how == "kernel" and ids.dim() == 1:
+                        if one_launch:
                             # one launch of the row kernel, as the engine's `kernel` strategy
                             # makes it, without the engine's general bookkeeping
                             rows = (
@@ -778,7 +794,15 @@ class DataGadget:
                                 if out is None
                                 else out
                             )
-                            _kernels.gather_rows(view, ids, rows, dedup=may_repeat)
+                            claimed = _kernels.gather_rows(
+                                view,
+                                ids,
+                                rows,
+                                dedup=may_repeat,
+                                flag_out=0 if fused is None else fused.flag,
+                            )
+                            if fused is not None:
+                                fused.event = claimed
                         else:
                             rows = self._store.gather(ids, dev, out=out, strategy=self._strategy)
                     except BaseException:

@@ -99,7 +99,8 @@ def test_emulated_slots_repeats_views_and_bad_ids_stay_inside(emu: Any) -> None:
     want = torch.zeros(10, 4)
     want[inside] = view[ids[inside]]
     assert torch.equal(out, want)
-    assert emu.launches[-3:] == ["gl_last_slot", "gl_gather_4", "gl_gather_repeats_4"]
+    last = emu.launches[-3:]
+    assert last[0] == "gl_last_slot" and last[2] == last[1].replace("gather", "gather_repeats")
     inter = torch.arange(30 * 3 * 4, dtype=torch.float32).reshape(30, 3, 4)
     parts = [inter[:, k] for k in range(3)]
     assert _kernels.group_geometry(parts)[2] == 3
@@ -168,9 +169,9 @@ def _slot_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = _kernels.launch_gather_slots
 
-    def spy(ids: torch.Tensor, slot: torch.Tensor) -> None:
+    def spy(ids: torch.Tensor, slot: torch.Tensor, *, flag_out: int = 0) -> None:
         calls.append(ids.numel())
-        real(ids, slot)
+        real(ids, slot, flag_out=flag_out)
 
     monkeypatch.setattr(_kernels, "launch_gather_slots", spy)
     return calls
@@ -372,3 +373,175 @@ def test_dataset_reads_user_ids_once_and_leaves_sampler_batches_alone(
         seen.append(by.cpu())
     assert calls == []  # a sampler's batch holds no repeats
     assert torch.equal(torch.cat(seen).sort().values, torch.arange(rows))
+
+
+# --- session 27: the range check of CUDA ids rides on the slots launch ----------------------
+
+
+class _Event:
+    """Stands in for the CUDA event a flagged slots launch records (CPU runs)."""
+
+    def __init__(self) -> None:
+        self.waited = 0
+
+    def synchronize(self) -> None:
+        self.waited += 1
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.events: list[_Event] = []
+
+    def record_event(self) -> _Event:
+        self.events.append(_Event())
+        return self.events[-1]
+
+
+def test_emulated_slots_launch_sets_the_flag_for_bad_ids_only(
+    emu: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stream = _Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    table = torch.randn(40, 4)
+    slot = torch.full((40,), -1, dtype=torch.int32)
+    monkeypatch.setattr(_kernels, "dedup_slots", lambda t, n: slot)
+    flag = torch.zeros(3, dtype=torch.int64)  # the word, between two guards
+    emu.ranges.append(emu.given("slots and flag", [slot, flag[1:2]]))
+    word = flag[1:2].data_ptr()
+    out = torch.full((6, 4), 3.0)
+    good = torch.tensor([5, 5, 39, 0, 5, 39])
+    event = _kernels.gather_rows(table, good, out, dedup=True, flag_out=word)
+    assert event is stream.events[-1]  # recorded after the slots launch, before the rows
+    last = emu.launches[-3:]
+    assert last[0] == "gl_last_slot" and last[2] == last[1].replace("gather", "gather_repeats")
+    assert flag.tolist() == [0, 0, 0] and torch.equal(out, table[good])
+    for bad in ([5, -1, 0, 5, 2, 3], [0, 1, 2, 3, 4, 40], [-(2**62)] * 6):
+        ids = torch.tensor(bad)
+        inside = (ids >= 0) & (ids < 40)
+        flag.zero_()
+        _kernels.gather_rows(table, ids, out.fill_(3.0), dedup=True, flag_out=word)
+        assert flag.tolist() == [0, 1, 0], bad
+        assert torch.equal(out[inside], table[ids[inside]]) and bool((out[~inside] == 0).all())
+    # without slots the flag is not written and no event is recorded
+    n = len(stream.events)
+    flag.zero_()
+    assert _kernels.gather_rows(table, torch.tensor([1, -1]), out[:2], flag_out=word) is None
+    assert flag.tolist() == [0, 0, 0] and len(stream.events) == n
+    # no flag asked for: no event either
+    assert _kernels.gather_rows(table, good, out, dedup=True) is None
+    assert len(stream.events) == n
+
+
+def test_a_flag_check_raises_the_usual_error_and_falls_back_without_an_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gadgetloader import _ids
+
+    pair = torch.zeros(2, dtype=torch.int64)  # (the thread's page-locked pair on a GPU host)
+    monkeypatch.setattr(_ids._ends, "buf", pair)
+    monkeypatch.setattr(_ids._ends, "host", pair.numpy())
+    ids = torch.tensor([0, 4, 9])
+    check = _ids.FlagCheck(1, ids, 10)
+    event = _Event()
+    check.event = event
+    _ids._ends.host[0] = 0
+    check()  # flag clear: passes, having waited for the launch
+    assert event.waited == 1
+    bad = torch.tensor([0, 12, 3])
+    check = _ids.FlagCheck(1, bad, 10)
+    check.event = _Event()
+    _ids._ends.host[0] = 1
+    with pytest.raises(gl.GadgetIndexError, match="id 12 is out of range"):
+        check()
+    # the flag set although the ids are fine now (they changed after the read): still an error
+    check = _ids.FlagCheck(1, ids, 10)
+    check.event = _Event()
+    with pytest.raises(gl.GadgetIndexError, match="outside the table"):
+        check()
+    _ids._ends.host[0] = 0
+    # the gather took no slots (no event): the ordinary check runs
+    with pytest.raises(gl.GadgetIndexError, match="id 12 is out of range"):
+        _ids.FlagCheck(1, bad, 10)()
+    _ids.FlagCheck(1, ids, 10)()
+    with pytest.raises(gl.GadgetIndexError, match="id -1 is negative"):
+        _ids.FlagCheck(1, torch.tensor([-1]), 10)()
+
+
+def _flag_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Record, per slots launch, whether it carried a flag word."""
+    calls: list[bool] = []
+    real = _kernels.launch_gather_slots
+
+    def spy(ids: torch.Tensor, slot: torch.Tensor, *, flag_out: int = 0) -> None:
+        calls.append(bool(flag_out))
+        real(ids, slot, flag_out=flag_out)
+
+    monkeypatch.setattr(_kernels, "launch_gather_slots", spy)
+    return calls
+
+
+@pytest.mark.gpu
+@NEEDS_CUPY
+def test_checked_cuda_ids_are_checked_by_the_slots_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rows, width, n = 100_000, 8, _kernels.DEDUP_MIN_IDS
+    base = torch.randn(rows, width)
+    g = gl.DataGadget(base.clone(), placement="pinned")
+    calls = _flag_calls(monkeypatch)
+    reductions: list[int] = []
+    real_aminmax = torch.aminmax
+
+    def aminmax(*a: Any, **k: Any) -> Any:
+        reductions.append(1)
+        return real_aminmax(*a, **k)
+
+    monkeypatch.setattr(torch, "aminmax", aminmax)
+    ids = torch.randint(0, rows, (n,), generator=torch.Generator().manual_seed(9))
+    cids = ids.cuda()
+    assert torch.equal(g.getData(cids).cpu(), base[ids])
+    calls.clear()  # (the thread's first check maps its pair with a test reduction)
+    reductions.clear()
+    assert torch.equal(g.getData(cids).cpu(), base[ids])
+    assert calls == [True] and reductions == []  # no reduction of its own
+    for where, value in ((0, -1), (n - 1, rows), (n // 2, 2**40), (slice(None), -5)):
+        bad = cids.clone()
+        bad[where] = value
+        out = torch.full((n, width), 4.0, device="cuda")
+        with pytest.raises(gl.GadgetIndexError, match=f"id {value} is (out of range|negative)"):
+            g.getData(bad, out=out)
+        # the next call's flag starts clear, and the table is untouched
+        assert torch.equal(g.getData(cids).cpu(), base[ids])
+    assert calls[-1] is True and all(calls)
+    assert torch.equal(g.as_tensor().cpu(), base)
+    # unchecked ids, CPU ids and too few ids take no flag
+    calls.clear()
+    g.getData(cids, check_ids=False)
+    g.getData(ids)
+    assert calls == [False, False]
+    g.getData(cids[: n - 1])
+    assert calls == [False, False]
+    # a second thread has its own flag word
+    import threading
+
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            for _ in range(3):
+                assert torch.equal(g.getData(cids).cpu(), base[ids])
+                bad = cids.clone()
+                bad[7] = rows + 3
+                with pytest.raises(gl.GadgetIndexError):
+                    g.getData(bad)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    g.close()

@@ -119,12 +119,15 @@ class _Emulator:
                     self.write(outs[y + s] + p * vpr * vec, data)
 
     def _claim(self, w: list[int]) -> None:
-        """``gl_last_slot`` phase 2: each id inside the table stores its position."""
-        ids, slot, n, n_rows = w[0:4]
+        """``gl_last_slot`` phase 2: each id inside the table stores its position; with
+        ``flag_out``, an id outside the table sets that word to 1."""
+        ids, slot, n, n_rows, _phase, flag_out = w[0:6]
         for j in range(n):
             r = self.i64(ids + 8 * j)
             if 0 <= r < n_rows:
                 self.write(slot + 4 * r, int(j).to_bytes(4, "little", signed=True))
+            elif flag_out:
+                self.write(flag_out, (1).to_bytes(8, "little", signed=True))
 
     def _repeats(self, vec: int, gy: int, w: list[int]) -> None:
         """``gl_gather_repeats``: entries their id's slot does not name copy the named

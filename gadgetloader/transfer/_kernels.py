@@ -404,6 +404,8 @@ extern "C" __global__ void __launch_bounds__(1024) gl_plan(const PlanArgs a)
 // Phase 2 (a gather that reads each distinct row once): one plain store per id inside the
 // table, so its slot ends up holding one of the positions naming it (any one: the rows
 // they read are the same); every slot read later was written here, so none needs a reset.
+// With flag_out (the range check of the gather's ids, fused into this launch): a warp
+// that met an id outside the table sets the host word, which the host zeroed before.
 struct SlotArgs { const long long* ids; int* slot; long long n, n_rows, phase; long long* flag_out; };
 
 extern "C" __global__ void gl_last_slot(const SlotArgs a)
@@ -411,15 +413,22 @@ extern "C" __global__ void gl_last_slot(const SlotArgs a)
     if (a.phase == 1 && a.flag_out && blockIdx.x == 0 && threadIdx.x == 0)
         *a.flag_out = a.slot[a.n_rows];  // phase 0 has finished: the flag is final
     const long long stride = (long long)blockDim.x * gridDim.x;
+    bool bad = false;
     for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < a.n; j += stride) {
         const long long r = a.ids[j];
         if (r < 0 || r >= a.n_rows) {
             if (a.phase == 0 && a.flag_out) a.slot[a.n_rows] = 1;
+            bad = true;
             continue;
         }
         if (a.phase == 0) a.slot[r] = -1;
         else if (a.phase == 1) atomicMax(a.slot + r, (int)j);
         else a.slot[r] = (int)j;
+    }
+    if (a.phase == 2 && a.flag_out) {
+        // one write over the link per warp (of the lanes here together) that met a bad id
+        const unsigned int met = __ballot_sync(__activemask(), bad);
+        if (bad && (threadIdx.x & 31) == __ffs(met) - 1) *a.flag_out = 1;
     }
 }
 
@@ -1037,28 +1046,38 @@ DEDUP_MAX_ROWS = 1 << 24
 DEDUP_ROWS_PER_ID = 16
 
 
-def dedup_slots(table: torch.Tensor, n: int) -> torch.Tensor | None:
-    """A slot array (one int32 per table row, uninitialised) for a gather of ``n`` ids
-    from ``table`` that reads each distinct row once, where that pays: a table in host
-    memory of at most :data:`DEDUP_MAX_ROWS` rows and :data:`DEDUP_ROWS_PER_ID` rows per
-    id, at least :data:`DEDUP_MIN_IDS` ids. None otherwise (the plain gather)."""
+def reads_once(table: torch.Tensor, n: int) -> bool:
+    """Whether a gather of ``n`` ids that may repeat from ``table`` reads each distinct
+    row once (see :func:`dedup_slots`): a table in host memory of at most
+    :data:`DEDUP_MAX_ROWS` rows and :data:`DEDUP_ROWS_PER_ID` rows per id, at least
+    :data:`DEDUP_MIN_IDS` ids."""
     rows = table.shape[0] if table.dim() else 0
-    if not (
+    return (
         DEDUP_MIN_IDS <= n < 2**31
         and 0 < rows <= min(DEDUP_MAX_ROWS, DEDUP_ROWS_PER_ID * n)
         and table.is_cuda
-    ):
-        return None
-    if not in_host_memory(table):
-        return None
-    return torch.empty(rows, dtype=torch.int32, device=table.device)
+        and in_host_memory(table)
+    )
 
 
-def launch_gather_slots(ids: torch.Tensor, slot: torch.Tensor) -> None:
+def dedup_slots(table: torch.Tensor, n: int) -> torch.Tensor | None:
+    """A slot array (one int32 per table row, uninitialised) for a gather of ``n`` ids
+    from ``table`` that reads each distinct row once, where that pays
+    (:func:`reads_once`). None otherwise (the plain gather)."""
+    if not reads_once(table, n):
+        return None
+    return torch.empty(table.shape[0], dtype=torch.int32, device=table.device)
+
+
+def launch_gather_slots(ids: torch.Tensor, slot: torch.Tensor, *, flag_out: int = 0) -> None:
     """Fill ``slot`` for a gather of contiguous 1-D int64 ``ids`` that reads each row
     once: the slot of every id inside the table (``slot`` has one entry per table row)
     gets one of the positions naming it. One launch of plain stores; ids outside the
-    table are skipped (the gather gives them zero rows)."""
+    table are skipped (the gather gives them zero rows).
+
+    ``flag_out``: the device address of a page-locked host int64 that the caller zeroed
+    (see :func:`gadgetloader._ids.flag_word`); the launch sets it to 1 if any id is
+    outside the table, so the ids' range check costs no launch of its own."""
     n = ids.numel()
     if ids.dtype != torch.int64 or not ids.is_contiguous() or ids.dim() != 1:
         raise ValueError(
@@ -1083,7 +1102,7 @@ def launch_gather_slots(ids: torch.Tensor, slot: torch.Tensor) -> None:
     _launch(
         _function(idx, UNROLL, "gl_last_slot"),
         (max(1, min(-(-n // BLOCK), _max_blocks(idx))), 1),
-        [ids.data_ptr(), slot.data_ptr(), n, slot.numel(), 2, 0],
+        [ids.data_ptr(), slot.data_ptr(), n, slot.numel(), 2, int(flag_out)],
         _SLOT_ARGS,
         device,
     )
@@ -1096,14 +1115,25 @@ _row_gathers: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
 
 def gather_rows(
-    table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, *, dedup: bool = False
-) -> None:
+    table: torch.Tensor,
+    ids: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    dedup: bool = False,
+    flag_out: int = 0,
+) -> Any:
     """``out[j] = table[ids[j]]``: exactly :func:`launch_gather`'s launch for one table,
     with its checks and geometry resolved once per table (a data loader's batch costs a
     lookup and ``cuLaunchKernel``). ``ids``: 1-D contiguous int64 on the device; ``out``:
     contiguous, ``(ids.numel(), *row_shape)``; anything else takes :func:`launch_gather`.
     ``dedup``: read each distinct row once where :func:`dedup_slots` says it pays (ids
     that may repeat; a sampler's batch, which cannot, leaves it off).
+
+    ``flag_out``: a zeroed page-locked flag word's device address (see
+    :func:`launch_gather_slots`) that the slots' launch, where the gather takes one, sets
+    for any id outside the table. Returns the CUDA event recorded after that launch
+    (before the rows are read: waiting for it does not wait for the gather), or None
+    where no slots were used and the flag was not written.
     """
     key = (table.data_ptr(), table.shape, table.stride(), table.dtype, table.device)
     prep = _row_gathers.get(key)
@@ -1144,19 +1174,30 @@ def gather_rows(
         # the general launch, which reads ids densely and refuses what does not fit
         flat = ids.reshape(-1).contiguous()
         slot = dedup_slots(table, n) if dedup else None
+        claimed = None
         if slot is not None:
-            launch_gather_slots(flat, slot)
+            claimed = _claim_slots(flat, slot, flag_out)
         launch_gather(table, flat, out, slot=slot)
-        return
+        return claimed
     slot = dedup_slots(table, n) if dedup else None
+    claimed = None
     if slot is not None:
-        launch_gather_slots(ids, slot)
+        claimed = _claim_slots(ids, slot, flag_out)
     words = [*head, *([out.data_ptr()] * MAX_TABLES), *tail, ids.data_ptr(), 0, n, 0]
     words.append(0 if slot is None else slot.data_ptr())
     grid = (_grid(n * span, idx), 1)
     _launch(fn, grid, words, _GATHER_ARGS, device)
     if slot is not None:
         _launch(_function(idx, UNROLL, f"gl_gather_repeats_{w}"), grid, words, _GATHER_ARGS, device)
+    return claimed
+
+
+def _claim_slots(ids: torch.Tensor, slot: torch.Tensor, flag_out: int) -> Any:
+    """:func:`launch_gather_slots`; with ``flag_out``, the event recorded after it."""
+    launch_gather_slots(ids, slot, flag_out=flag_out)
+    if not flag_out:
+        return None
+    return torch.cuda.current_stream(ids.device).record_event()
 
 
 def launch_scatter(
