@@ -715,7 +715,8 @@ class DataGadget:
             are valid (e.g. from a sampler). CPU ids are always checked (on the CPU, no
             synchronisation; for a GPU gather while the GPU gathers), and the GPU
             kernels never read outside the table whatever the ids: an unchecked
-            out-of-range id yields a zero row.
+            out-of-range id yields a zero row. A gather that reads each row once (below)
+            checks CUDA ids in the launch that prepares it, with no reduction of its own.
 
         Repeated ids are allowed. A large gather from a ``pinned`` table (at least 65,536
         ids, at most 16 table rows per id; README, "Repeated ids in a gather") reads each
