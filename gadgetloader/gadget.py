@@ -718,9 +718,10 @@ class DataGadget:
             out-of-range id yields a zero row. A gather that reads each row once (below)
             checks CUDA ids in the launch that prepares it, with no reduction of its own.
 
-        Repeated ids are allowed. A large gather from a ``pinned`` table (at least 65,536
-        ids, at most 16 table rows per id; README, "Repeated ids in a gather") reads each
-        distinct row over the link once and copies it on the GPU to its repeats.
+        Repeated ids are allowed. A large gather by the ``kernel`` strategy (what ``auto``
+        picks up to 2 GB and 262,143 ids) from a ``pinned`` table of at most 2**24 rows (at
+        least 65,536 ids, at most 16 table rows per id; README, "Repeated ids in a gather")
+        reads each distinct row over the link once and copies it on the GPU to its repeats.
 
         Raises
         ------
