@@ -352,7 +352,7 @@ def gather_many(
 
 
 def _ids_on(flat: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Int64 ids on ``device``, dense. CPU ids go up through a pinned ring buffer, an
+    """Int64 ids on ``device``, dense. CPU ids go up through page-locked staging, an
     asynchronous copy: a pageable one would first wait for the work queued before it
     (the last call's transfer), leaving the GPU idle while it copies."""
     if flat.device == device:
