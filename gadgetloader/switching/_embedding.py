@@ -11,6 +11,7 @@ The user's loop is only forward / backward / ``step()``.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import warnings
 import weakref
@@ -150,6 +151,10 @@ class _OffloadedTable(nn.Module):
             nn.Parameter(torch.empty((0, self.embedding_dim), dtype=td, device=self.compute_device))
         )
         self._pending: list[tuple[RowPlan, torch.Tensor]] = []
+        #: by id() of a pending lookup's rows: (backward pass, arrival number) of each
+        #: gradient accumulated into them, so a step with several lookups sums them in the
+        #: order torch's autograd would have summed them into one parameter
+        self._arrivals: dict[int, list[tuple[int, int]]] = {}
         #: range checks of CUDA ids of training lookups, finished (raising on a bad id)
         #: before the step writes anything
         self._checks: list[Callable[[], None]] = []
@@ -220,6 +225,7 @@ class _OffloadedTable(nn.Module):
             param = self._slot.param
             param.data = param.data.to(probe.device)
             self._pending.clear()
+            self._arrivals.clear()
             self._forward_states.clear()
             self._prefetched = None
             self._merged = None
@@ -322,6 +328,9 @@ class _OffloadedTable(nn.Module):
                 self._checks.append(finish)
             rows.requires_grad_(True)
             self._pending.append((plan, rows))
+            rows.register_post_accumulate_grad_hook(
+                functools.partial(_arrived, weakref.ref(self), id(rows))
+            )
             if states:
                 gen = self._state_pager.generation if self._state_pager is not None else 0
                 self._forward_states[id(rows)] = (states, gen)
@@ -385,6 +394,7 @@ class _OffloadedTable(nn.Module):
             if rows.requires_grad:
                 rows.register_hook(functools.partial(_mark_late, ref))
         self._pending.clear()
+        self._arrivals.clear()
         self._forward_states.clear()
         _set(self, "_prefetched", None)
         _set(self, "_merged", None)
@@ -418,19 +428,20 @@ class _OffloadedTable(nn.Module):
                 k = plan.num_rows if plan.n_distinct is None else exact_plan(plan).num_rows
                 assert rows.grad is not None
                 parts.append((plan.ids[:k], rows.detach()[:k], rows.grad[:k]))
-            pending_rows = [(ids, data_k, grad_k) for ids, data_k, grad_k in parts]
-            all_ids = torch.cat([ids for ids, _, _ in pending_rows])
+            all_ids = torch.cat([ids for ids, _, _ in parts])
             uniq, inverse = torch.unique(all_ids, sorted=True, return_inverse=True)
             data = torch.empty(
                 (uniq.numel(), self.embedding_dim), dtype=param.dtype, device=param.device
             )
-            grad = torch.zeros_like(data)
+            wheres = []
             start = 0
-            for ids, data_k, grad_k in pending_rows:
+            for ids, data_k, _ in parts:
                 where = inverse[start : start + ids.numel()]
                 start += ids.numel()
                 data.index_copy_(0, where, data_k)
-                grad.index_add_(0, where, grad_k)
+                wheres.append(where)
+            grads = [grad_k for _, _, grad_k in parts]
+            grad = _sum_lookups(self._passes(pending), wheres, grads, data)
             plan = RowPlan(uniq, inverse, ((all_ids.numel(),),), True)
         assert grad is not None
         param.data = data
@@ -468,9 +479,26 @@ class _OffloadedTable(nn.Module):
     def _has_pending_grads(self) -> bool:
         return any(rows.grad is not None for _, rows in self._pending)
 
+    def _passes(self, pending: list[tuple[RowPlan, torch.Tensor]]) -> list[list[int]] | None:
+        """The lookups of ``pending`` (indices) by backward pass, passes and lookups in the
+        order their gradients arrived; None where a lookup's gradient did not come from
+        exactly one recorded pass (it was accumulated over several, or set by hand)."""
+        first: list[tuple[int, int, int]] = []  # (arrival, pass, lookup)
+        for k, (_, rows) in enumerate(pending):
+            got = self._arrivals.get(id(rows))
+            if got is None or len(got) != 1:
+                return None
+            task, seq = got[0]
+            first.append((seq, task, k))
+        passes: dict[int, list[int]] = {}  # (in the order of each pass's first arrival)
+        for _, task, k in sorted(first):
+            passes.setdefault(task, []).append(k)
+        return list(passes.values())
+
     def _drop_step(self) -> None:
         """Forget this step's lookups (after a bad id was reported)."""
         self._pending.clear()
+        self._arrivals.clear()
         self._forward_states.clear()
         self._checks.clear()
         _set(self, "_prefetched", None)
@@ -499,6 +527,7 @@ class _OffloadedTable(nn.Module):
             _fused=None,
             _graphs=None,
             _pending=[],
+            _arrivals={},
             _checks=[],
             _forward_states={},
             _prefetched=None,
@@ -509,6 +538,7 @@ class _OffloadedTable(nn.Module):
     def _clear_grads(self) -> None:
         for _, rows in self._pending:
             rows.grad = None
+        self._arrivals.clear()
         _set(self, "_merged", None)
         _set(self, "_late", False)  # a late gradient is thrown away, as torch's zero_grad would
 
@@ -812,6 +842,49 @@ class OffloadedEmbeddingBag(_OffloadedTable):
                 include_last_offset=last_offset,
             )
         )
+
+
+#: numbers the gradients accumulated into training lookups, in the order they arrive
+_arrival = itertools.count()
+
+
+def _arrived(ref: Any, key: int, rows: torch.Tensor) -> None:
+    """After a backward accumulated a gradient into a training lookup's rows: note which
+    pass (torch's graph task) and when, for :func:`_sum_lookups`."""
+    m = ref()
+    if m is not None:
+        task = int(torch._C._current_graph_task_id())
+        m._arrivals.setdefault(key, []).append((task, next(_arrival)))
+
+
+def _sum_lookups(
+    passes: list[list[int]] | None,
+    wheres: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    like: torch.Tensor,
+) -> torch.Tensor:
+    """The step's gradient of several lookups: lookup ``k``'s rows ``grads[k]`` go to the
+    step's rows ``wheres[k]``. Summed in the order torch's autograd sums the gradients of
+    several uses of one parameter (as a dense ``nn.Embedding``'s weight gets them): in a
+    backward pass, the first to arrive as it is and each later one added to it; the pass's
+    sum added to the gradient of the passes before. ``passes`` None (unknown order): in
+    the order of the lookups, from zero."""
+    if passes is None:
+        total = torch.zeros_like(like)
+        for k, grad in enumerate(grads):
+            total.index_add_(0, wheres[k], grad)
+        return total
+    out: torch.Tensor | None = None
+    for lookups in passes:
+        buf = torch.zeros_like(like)
+        for n, k in enumerate(lookups):
+            if n == 0:
+                buf.index_copy_(0, wheres[k], grads[k])
+            else:
+                buf.index_add_(0, wheres[k], grads[k])
+        out = buf if out is None else out.add_(buf)
+    assert out is not None
+    return out
 
 
 def _mark_late(ref: Any, grad: torch.Tensor) -> None:
