@@ -616,7 +616,10 @@ class OffloadedEmbedding(_OffloadedTable):
     -----
     A forward call gathers the distinct rows of ``input`` once (repeats merged, so
     gradients of repeated ids add up exactly); train it with
-    :class:`OffloadedOptimizer`.
+    :class:`OffloadedOptimizer`. Several lookups in one step (and over several backward
+    passes) are summed in the order torch's autograd sums several uses of one parameter,
+    bit-identical to a dense ``nn.Embedding`` (exact to rounding only where one lookup's
+    output gets gradient from more than one backward pass).
 
     With CUDA ids on a CUDA device (and CuPy) a training step never drains the GPU's
     queue: the row plan (sort, distinct ids, local ids) is built on the GPU and its row
