@@ -7,7 +7,7 @@ the Python that drives them (``_engine.slot_scatter``, ``scatter_many``'s slot p
 * *emulated* (run everywhere): session 15's CPU emulator of the kernels
   (``test_review_session15_kernels``) knows the gathers, phase 2 and the scatter modes 0-1
   only; :class:`_Emu27` adds phases 0 and 1 (with the flag word), modes 2 and 3, the guard
-  pair and ``cudaMemsetAsync``, transcribed from ``_kernels._SOURCE``. Phase 2's plain
+  pair transcribed from ``_kernels._SOURCE``. Phase 2's plain
   stores are emulated with a *random* winner per id (the GPU may keep any of them), and
   every access outside the tensors handed to the launcher raises. Results are compared
   with NumPy: ``table[ids]`` for gathers, a sequential loop (the last occurrence wins) for
@@ -61,17 +61,18 @@ class _Emu27(_Emulator):
 
     def _last_slot(self, w: list[int]) -> None:
         ids, slot, n, n_rows, phase, flag_out = w[0:6]
-        if phase == 1 and flag_out:
-            self.write(flag_out, self.i32(slot + 4 * n_rows).to_bytes(8, "little", signed=True))
+        if phase == 0 and flag_out:  # this call's flags, raised by phase 1
+            self.w32(slot + 4 * n_rows, 0)
+            self.write(flag_out, bytes(8))
         order = list(range(n))
         if phase == 2:
             self.rng.shuffle(order)  # plain stores: whichever lands last stays
         for j in order:
             r = self.i64(ids + 8 * j)
             if not 0 <= r < n_rows:
-                if phase == 0 and flag_out:
+                if phase == 1 and flag_out:
                     self.w32(slot + 4 * n_rows, 1)
-                if phase == 2 and flag_out:  # (the fused gather check, where built)
+                if phase != 0 and flag_out:  # (phase 2: the fused gather check)
                     self.write(flag_out, (1).to_bytes(8, "little", signed=True))
                 continue
             if phase == 0:
@@ -131,10 +132,6 @@ def emu27(monkeypatch: pytest.MonkeyPatch) -> _Emu27:
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
     monkeypatch.setattr(_engine, "cupy_available", lambda: True)
 
-    def memset(ptr: int, nbytes: int, device: torch.device) -> None:
-        e.write(ptr, bytes(nbytes))
-
-    monkeypatch.setattr(_kernels, "_memset_async", memset)
     for name in (
         "launch_gather",
         "launch_scatter",

@@ -399,8 +399,8 @@ extern "C" __global__ void __launch_bounds__(1024) gl_plan(const PlanArgs a)
 // largest position naming that id (atomicMax: the result does not depend on the order
 // the atomics land in). Ids outside the table are skipped: their slots do not exist.
 // With flag_out (mode 3's range check, fused into the merge): the slots have one more
-// entry, slot[n_rows], zeroed before phase 0; phase 0 sets it to 1 for any id outside the
-// table, and phase 1 copies it to flag_out (a page-locked host word the host reads).
+// entry, slot[n_rows]; phase 0 zeroes it and flag_out (a page-locked host word the host
+// reads), and phase 1 sets both to 1 for any id outside the table (no memset launch).
 // Phase 2 (a gather that reads each distinct row once): one plain store per id inside the
 // table, so its slot ends up holding one of the positions naming it (any one: the rows
 // they read are the same); every slot read later was written here, so none needs a reset.
@@ -410,14 +410,15 @@ struct SlotArgs { const long long* ids; int* slot; long long n, n_rows, phase; l
 
 extern "C" __global__ void gl_last_slot(const SlotArgs a)
 {
-    if (a.phase == 1 && a.flag_out && blockIdx.x == 0 && threadIdx.x == 0)
-        *a.flag_out = a.slot[a.n_rows];  // phase 0 has finished: the flag is final
+    if (a.phase == 0 && a.flag_out && blockIdx.x == 0 && threadIdx.x == 0) {
+        a.slot[a.n_rows] = 0;  // this call's flags, raised by phase 1 (the next launch)
+        *a.flag_out = 0;
+    }
     const long long stride = (long long)blockDim.x * gridDim.x;
     bool bad = false;
     for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < a.n; j += stride) {
         const long long r = a.ids[j];
         if (r < 0 || r >= a.n_rows) {
-            if (a.phase == 0 && a.flag_out) a.slot[a.n_rows] = 1;
             bad = true;
             continue;
         }
@@ -425,10 +426,13 @@ extern "C" __global__ void gl_last_slot(const SlotArgs a)
         else if (a.phase == 1) atomicMax(a.slot + r, (int)j);
         else a.slot[r] = (int)j;
     }
-    if (a.phase == 2 && a.flag_out) {
+    if (a.phase != 0 && a.flag_out) {
         // one write over the link per warp (of the lanes here together) that met a bad id
         const unsigned int met = __ballot_sync(__activemask(), bad);
-        if (bad && (threadIdx.x & 31) == __ffs(met) - 1) *a.flag_out = 1;
+        if (bad && (threadIdx.x & 31) == __ffs(met) - 1) {
+            if (a.phase == 1) a.slot[a.n_rows] = 1;  // the scatter (mode 3) then writes nothing
+            *a.flag_out = 1;
+        }
     }
 }
 
@@ -1415,19 +1419,6 @@ def _check_slot(
         raise ValueError("the last-writer slots take ids as given (no pos), under 2**31 of them")
 
 
-def _memset_async(ptr: int, nbytes: int, device: torch.device) -> None:
-    """Zero ``nbytes`` of device memory at ``ptr``, queued on torch's current stream."""
-    cp = get_cupy("GPU kernels")
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if _raw_stream is not None and torch.cuda.current_device() == idx:
-        if idx not in _contexts.ready:
-            _ensure_context(idx)
-        cp.cuda.runtime.memsetAsync(ptr, 0, nbytes, _raw_stream(idx))
-        return
-    with cp.cuda.Device(idx), cupy_stream(device):
-        cp.cuda.runtime.memsetAsync(ptr, 0, nbytes, cp.cuda.get_current_stream().ptr)
-
-
 def launch_last_slots(ids: torch.Tensor, slot: torch.Tensor, *, flag_out: int = 0) -> None:
     """Fill ``slot`` (int32, one entry per table row) for a :data:`SCATTER_LAST_BY_SLOT`
     scatter of contiguous int64 ``ids``: the slot of each id inside the table gets the
@@ -1437,9 +1428,9 @@ def launch_last_slots(ids: torch.Tensor, slot: torch.Tensor, *, flag_out: int = 
 
     ``flag_out``: the device address of a page-locked host int64 (see
     :func:`gadgetloader._ids.flag_word`) for a :data:`SCATTER_LAST_BY_SLOT_GUARDED`
-    scatter. ``slot`` then has one entry more than the table has rows: that entry is
-    zeroed first, set to 1 by any id outside the table, and copied to ``flag_out`` by
-    the second launch, so the ids' range check costs no launch of its own."""
+    scatter. ``slot`` then has one entry more than the table has rows: the first launch
+    zeroes that entry and ``flag_out``, and the second sets both to 1 for any id outside
+    the table, so the ids' range check costs no launch of its own (nor a memset)."""
     n = ids.numel()
     if ids.dtype != torch.int64 or not ids.is_contiguous() or ids.dim() != 1:
         raise ValueError(
@@ -1465,8 +1456,6 @@ def launch_last_slots(ids: torch.Tensor, slot: torch.Tensor, *, flag_out: int = 
     fn = _function(idx, UNROLL, "gl_last_slot")
     grid = (max(1, min(-(-n // BLOCK), _max_blocks(idx))), 1)
     n_rows = slot.numel() - (1 if flag_out else 0)
-    if flag_out:
-        _memset_async(slot.data_ptr() + 4 * n_rows, 4, device)
     for phase in (0, 1):
         _launch(
             fn,
