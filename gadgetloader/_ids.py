@@ -514,6 +514,8 @@ def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     call several times slower than back to back, and on the H200 this took 91 us of host
     time per call against 146 for a ring of two pinned buffers with its own events
     (DESIGN.md, "CPU ids go up in two torch calls")."""
+    if not t.is_contiguous():  # (pin_memory keeps strides: an expanded tensor cannot)
+        t = t.contiguous()
     return t.pin_memory().to(device, non_blocking=True)
 
 

@@ -2,6 +2,12 @@
 
 Written from README.md, SPEC.md and the docstrings only (not from the other tests).
 Every test compares against a NumPy or plain-torch reference.
+
+These tests read the README as a CPU-only machine (CI's) runs it: rows delivered to the
+CPU, ``pinned`` falling back to ``cpu``. On a CUDA machine torch is told, for the length
+of each test, that it has no GPU, so the library takes the same paths there too (its
+processes started by the tests, DataLoader workers and the CLI, see the real machine).
+The CUDA machine's behaviour is the behaviour suite's and the GPU review tests' to check.
 """
 
 from __future__ import annotations
@@ -28,6 +34,12 @@ REPO = Path(__file__).resolve().parents[1]
 F = torch.nn.functional
 
 pytestmark = pytest.mark.filterwarnings("ignore::gadgetloader.FallbackWarning")
+
+
+@pytest.fixture(autouse=True)
+def _a_cpu_only_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Torch sees no GPU for the length of each test (see the module's docstring)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 def _h5py():
