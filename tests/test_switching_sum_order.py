@@ -162,3 +162,30 @@ def test_zero_grad_between_backwards_forgets_the_earlier_pass(
         _right_nested(m, c, ids).backward()
     step()
     assert _same(off, ref)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_several_bag_lookups_sum_as_torch_does(
+    placement: str, device: torch.device, mode: str
+) -> None:
+    off = gl.OffloadedEmbeddingBag(N, D, mode=mode, placement=placement, device=device)
+    off.weight.fill_(0.0)
+    ref = nn.EmbeddingBag(N, D, mode=mode).to(device)
+    nn.init.zeros_(ref.weight)
+    o1 = gl.OffloadedOptimizer(torch.optim.SGD, off, lr=1.0)
+    o2 = torch.optim.SGD(ref.parameters(), lr=1.0)
+    bags = [
+        torch.tensor([[0, 3, 3], [7, 1, 0]], device=device),
+        torch.tensor([[3, 0], [9, 3]], device=device),
+        torch.tensor([[7, 7, 3, 1]], device=device),
+        torch.tensor([[3, 11, 0]], device=device),
+    ]
+    for seed in range(3):
+        c = [w[: len(b)] for w, b in zip(_coefs(device, seed, 4, 5), bags, strict=True)]
+        for m in (off, ref):
+            _right_nested(m, c, bags).backward()
+        o1.step()
+        o2.step()
+        o1.zero_grad()
+        o2.zero_grad()
+        assert _same(off, ref), (mode, seed)
