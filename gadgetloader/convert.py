@@ -28,7 +28,7 @@ import numpy as np
 
 from . import io as _io
 from ._dtypes import dtype_name
-from ._errors import GadgetError, GadgetValueError
+from ._errors import GadgetError, GadgetValueError, as_flag
 from ._paths import as_path
 from .io._atomic import InterruptedAfterWrite, interrupts_deferred
 from .io._stream import STAGING_BYTES, blocks, progress_bar
@@ -91,6 +91,7 @@ def convert(
         Any problem with either file; ``dst`` is then left as it was.
     """
     src_p, dst_p = as_path(src), as_path(dst)
+    progress = as_flag(progress, "progress", allow_none=True)
     if os.path.realpath(src_p) == os.path.realpath(dst_p) or _same_file(src_p, dst_p):
         # (through a symbolic or hard link too: a save replaces the file the link names)
         raise GadgetValueError(

@@ -1347,6 +1347,7 @@ class DataGadget:
             Bad options (unknown compression, a level out of range, ...).
         """
         path = as_path(path)
+        progress = as_flag(progress, "progress", allow_none=True)  # before any file is made
         self._store.check_open()
         self._store.synchronize()
         backing = getattr(self._store, "path", None) if self.placement == "file" else None

@@ -9,13 +9,14 @@ import os
 import tokenize
 import weakref
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 import torch
 
 from .._dtypes import as_torch_dtype, dtype_name, numpy_dtype
 from .._errors import (
+    GadgetError,
     GadgetFileError,
     GadgetFileNotFoundError,
     GadgetTypeError,
@@ -25,6 +26,9 @@ from .._errors import (
 from ._atomic import remove_path, replace_atomically, temp_path_beside
 from ._base import ArraySink, ArraySource
 from ._chunks import check_free_space, check_sink_target, unsigned_carrier
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 __all__ = ["NpySink", "NpySource", "is_npy"]
 
@@ -236,31 +240,45 @@ class NpySink(ArraySink):
             "shape": self.shape,
         }
         try:
-            try:
-                np.lib.format.write_array_header_1_0(self._f, header)
-            except ValueError:
-                np.lib.format.write_array_header_2_0(self._f, header)
-            self._offset = self._f.tell()
+            with self._os_errors("write the header"):
+                try:
+                    np.lib.format.write_array_header_1_0(self._f, header)
+                except ValueError:
+                    np.lib.format.write_array_header_2_0(self._f, header)
+                self._offset = self._f.tell()
         except BaseException:
             self.abort()  # no hidden partial file after a failed or interrupted header
             raise
         self._row_nbytes = math.prod(self.shape[1:]) * self._npd.itemsize
 
+    @contextlib.contextmanager
+    def _os_errors(self, what: str) -> Iterator[None]:
+        """An OSError of the partial file (a full disk, a file size limit, ...) as a
+        :class:`GadgetFileError` that names the target, as HDF5's sink says it."""
+        try:
+            yield
+        except GadgetError:
+            raise
+        except OSError as exc:
+            raise GadgetFileError(f"cannot save {self.path}: cannot {what} ({exc})") from exc
+
     def write(self, start: int, rows: np.ndarray) -> None:
         assert self._f is not None
         self._accept(start, rows)
         block = np.ascontiguousarray(rows, dtype=self._npd)  # (another dtype: converted)
-        self._f.seek(self._offset + start * self._row_nbytes)
-        self._f.write(block.reshape(-1).view(np.uint8).data)
+        with self._os_errors(f"write rows {start}:{start + block.shape[0]}"):
+            self._f.seek(self._offset + start * self._row_nbytes)
+            self._f.write(block.reshape(-1).view(np.uint8).data)
 
     def commit(self) -> None:
         assert self._f is not None
         self._require_complete()
         total = self._offset + self.shape[0] * self._row_nbytes
-        self._f.truncate(total)
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
+        with self._os_errors("finish the file"):
+            self._f.truncate(total)
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
         self._f = None
         replace_atomically(self._tmp, self.path)
 

@@ -170,8 +170,8 @@ def save_from(
     rpb = _rows_per_block(
         store.row_nbytes, chunk_rows or max(1, STAGING_BYTES // max(1, store.row_nbytes))
     )
-    bar = progress_bar(store.nbytes, desc, progress)
     try:
+        bar = progress_bar(store.nbytes, desc, progress)  # (a bad flag: the sink is removed)
         with interrupts_deferred() as check, bar:
             for start, stop in blocks(store.num_rows, rpb):
                 block = store.read_block(start, stop)
