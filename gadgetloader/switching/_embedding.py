@@ -180,7 +180,7 @@ class _OffloadedTable(nn.Module):
         self._attached = False
         #: rows of training lookups that had no gradient when the last step ran: a gradient
         #: arriving later is reported by the next step (it would be lost silently)
-        self._late = False
+        self._late: bool | str = False  # or the cause ("step", "load") of a late gradient
 
     #: set by ``requires_grad_(False)``: lookups are then constants (the table is frozen)
     _frozen = False
@@ -383,16 +383,17 @@ class _OffloadedTable(nn.Module):
         )
         return sig or None
 
-    def _end_step(self) -> None:
-        """After the step: this step's lookups are retired (a gradient reaching them later
-        is reported by the next step) and, with their gathered states, forgotten."""
+    def _end_step(self, cause: str = "step") -> None:
+        """After the step (``cause`` "step") or before a load of the table's rows ("load"):
+        this step's lookups are retired (a gradient reaching them later is reported by the
+        next step, naming the cause) and, with their gathered states, forgotten."""
         # every lookup of the step gets a hook: a gradient that reaches it later (any number
         # of steps later, or more gradient for one that had some) marks the table, and the
         # next merge reports it unless zero_grad() threw it away first, as torch would
         ref = weakref.ref(self)
         for _, rows in self._pending:
             if rows.requires_grad:
-                rows.register_hook(functools.partial(_mark_late, ref))
+                rows.register_hook(functools.partial(_mark_late, ref, cause))
         self._pending.clear()
         self._arrivals.clear()
         self._forward_states.clear()
@@ -462,13 +463,21 @@ class _OffloadedTable(nn.Module):
         if any(rows.grad is not None for _, rows in self._pending):
             return True
         if self._pending:
-            self._end_step()
+            self._end_step("load")
         return False
 
     def _check_retired(self) -> None:
         """Raise if a lookup made before a step got (more) gradient after that step."""
-        if self._late:
+        cause = self._late
+        if cause:
             _set(self, "_late", False)
+            if cause == "load":
+                raise GadgetValueError(
+                    "a lookup of this offloaded embedding made before its rows were loaded "
+                    "(load_state_dict / load_checkpoint) got gradient after the load: its rows "
+                    "were read before the load replaced them, and the gradient is dropped; run "
+                    "backward() and step() before loading, or load before the forward"
+                )
             raise GadgetValueError(
                 "a lookup of this offloaded embedding made before a step() got (more) "
                 "gradient after that step: its rows were read before the step changed them, "
@@ -480,8 +489,8 @@ class _OffloadedTable(nn.Module):
         return any(rows.grad is not None for _, rows in self._pending)
 
     def _passes(self, pending: list[tuple[RowPlan, torch.Tensor]]) -> list[list[int]] | None:
-        """The lookups of ``pending`` (indices) by backward pass, passes and lookups in the
-        order their gradients arrived; None where a lookup's gradient did not come from
+        """The lookups of ``pending`` (indices) by backward pass: lookups in the order their
+        gradients arrived, passes in the order each one's last gradient arrived; None where a lookup's gradient did not come from
         exactly one recorded pass (it was accumulated over several, or set by hand)."""
         first: list[tuple[int, int, int]] = []  # (arrival, pass, lookup)
         for k, (_, rows) in enumerate(pending):
@@ -490,10 +499,15 @@ class _OffloadedTable(nn.Module):
                 return None
             task, seq = got[0]
             first.append((seq, task, k))
-        passes: dict[int, list[int]] = {}  # (in the order of each pass's first arrival)
-        for _, task, k in sorted(first):
+        passes: dict[int, list[int]] = {}
+        last: dict[int, int] = {}  # each pass's last arrival
+        for seq, task, k in sorted(first):
             passes.setdefault(task, []).append(k)
-        return list(passes.values())
+            last[task] = seq
+        # a dense weight gets a pass's sum once the pass's last use has arrived (its
+        # AccumulateGrad runs then), so the passes go in that order: a reentrant
+        # checkpoint's inner pass, run in the middle of the outer one, comes first
+        return [passes[task] for task in sorted(passes, key=last.__getitem__)]
 
     def _drop_step(self) -> None:
         """Forget this step's lookups (after a bad id was reported)."""
@@ -870,7 +884,8 @@ def _sum_lookups(
     step's rows ``wheres[k]``. Summed in the order torch's autograd sums the gradients of
     several uses of one parameter (as a dense ``nn.Embedding``'s weight gets them): in a
     backward pass, the first to arrive as it is and each later one added to it; the pass's
-    sum added to the gradient of the passes before. ``passes`` None (unknown order): in
+    sum added to the gradient of the passes before it in ``passes`` (the order they
+    finished: see :meth:`_OffloadedTable._passes`). ``passes`` None (unknown order): in
     the order of the lookups, from zero."""
     if passes is None:
         total = torch.zeros_like(like)
@@ -890,11 +905,12 @@ def _sum_lookups(
     return out
 
 
-def _mark_late(ref: Any, grad: torch.Tensor) -> None:
-    """Gradient hook of a lookup whose step has run: the gradient came too late."""
+def _mark_late(ref: Any, cause: str, grad: torch.Tensor) -> None:
+    """Gradient hook of a lookup retired by a step or a load (``cause``): the gradient came
+    too late."""
     m = ref()
     if m is not None:
-        _set(m, "_late", True)
+        _set(m, "_late", cause)
 
 
 def _detach(refs: list[Any]) -> None:
