@@ -24,6 +24,17 @@ except ImportError:  # pragma: no cover - the test extra brings torchdata
 
 NEEDS_TORCHDATA = pytest.mark.skipif(StatefulDataLoader is None, reason="needs torchdata")
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _a_cpu_only_machine():
+    """This file was written for a CPU-only machine: on a CUDA machine torch sees no GPU
+    for its tests (module scope, so its module fixtures are built that way too). The
+    GPU behaviour is covered by tests/test_review_session28_gpu.py."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        yield
+
+
 N = 203  # rows: not a multiple of any batch size used below
 B = 16
 

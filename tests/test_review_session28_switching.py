@@ -31,6 +31,18 @@ import gadgetloader as gl
 
 D = 8
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _a_cpu_only_machine():
+    """This file was written for a CPU-only machine: on a CUDA machine torch sees no GPU
+    for its tests (module scope, so its module fixtures are built that way too). The
+    CUDA lookups are covered by tests/test_review_session28_gpu.py and the suites that
+    run over every placement."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        yield
+
+
 #: the per-row state tables torch's optimizers keep (all start at zero here)
 _STATES = {
     torch.optim.Adam: ("exp_avg", "exp_avg_sq"),

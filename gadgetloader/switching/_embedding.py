@@ -57,7 +57,12 @@ class _Lookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, local: torch.Tensor, plan: RowPlan) -> torch.Tensor:  # type: ignore[override]
         ctx.plan = plan
-        return rows.index_select(0, local.reshape(-1)).view(*local.shape, rows.shape[1])
+        # gathered into a tensor of the output's shape (not returned as a view of one), so
+        # in-place ops on the lookup's output work as on nn.Embedding's (torch refuses them
+        # on a view made inside a custom Function)
+        out = rows.new_empty((*local.shape, rows.shape[1]))
+        torch.index_select(rows, 0, local.reshape(-1), out=out.view(-1, rows.shape[1]))
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
