@@ -753,12 +753,14 @@ def test_speedtorch_save_methods_resume_sgd_momentum_bit_identically(tmp_path: A
     np.testing.assert_array_equal(np.load(tmp_path / "u.npy"), first.u.getNumpyVersion())
     first.v.save(tmp_path / "v.h5")
     first.uo.saveTorch(tmp_path / "uo.pt")
-    saved = torch.load(tmp_path / "uo.pt")
+    saved = torch.load(tmp_path / "uo.pt", weights_only=True)
     assert isinstance(saved, dict) and list(saved) == ["momentum_buffer"]
     assert saved["momentum_buffer"].shape == (N, D)
     # SpeedTorch's layout: a list of tensors in state order
     first.vo.saveTorch(tmp_path / "vo_dict.pt")
-    torch.save(list(torch.load(tmp_path / "vo_dict.pt").values()), tmp_path / "vo.pt")
+    torch.save(
+        list(torch.load(tmp_path / "vo_dict.pt", weights_only=True).values()), tmp_path / "vo.pt"
+    )
 
     fresh = Run(optim.SGD, kw, V0, U0)
     fresh.u.loadCupy(str(tmp_path / "u.npy"))
@@ -788,7 +790,7 @@ def test_model_table_round_trips_through_every_save_method(tmp_path: Any, ext: s
     path = tmp_path / f"t{ext}"
     if ext == ".pt":
         src.saveTorch(path)
-        assert torch.equal(torch.load(path), U0)
+        assert torch.equal(torch.load(path, weights_only=True), U0)
         dst.loadTorch(path)
     else:
         src.save(path)
@@ -1678,7 +1680,7 @@ def test_bfloat16_table_saves_to_hdf5_zarr_torch_but_not_npy(tmp_path: Any) -> N
     src.save(tmp_path / "bf.h5")
     src.save(tmp_path / "bf.zarr")
     src.saveTorch(tmp_path / "bf.pt")
-    assert torch.equal(torch.load(tmp_path / "bf.pt"), U0)
+    assert torch.equal(torch.load(tmp_path / "bf.pt", weights_only=True), U0)
     dst = gl.ModelFactory(torch.nn.Embedding(2, D), N, D, datatype="bfloat16", placement="cpu")
     for load in (
         lambda: dst.load(tmp_path / "bf.h5"),
