@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ids",
         type=positive_int,
         default=131_072,
-        help="ids per call (default 131,072; a larger value than --rows is capped to it, as the "
-        "scatter's ids are distinct; the report gives the count used)",
+        help="ids per call (default 131,072; at most --rows: a larger value is capped to it, "
+        "as the scatter's ids are distinct; the report gives the count used)",
     )
     p.add_argument(
         "--dtype", type=table_dtype, default="float32", help="table dtype (default float32)"
