@@ -318,7 +318,10 @@ class DataGadget:
     progress : bool, optional
         Progress bar for file loads (default: only for large files).
     strategy : str, default 'auto'
-        Transfer strategy for GPU gathers/scatters (see ``gadgetloader.transfer``).
+        Transfer strategy for GPU gathers/scatters (see ``gadgetloader.transfer``):
+        ``auto``, ``kernel``, ``sorted``, ``hybrid`` or ``torch``. Results are identical
+        whatever the strategy. ``hybrid`` needs a host copy of the table: on a ``cuda``
+        table it runs as ``sorted``; without CuPy every strategy runs as ``torch``.
     **options
         For ``placement='file'`` only (anything else refuses them): ``cache_bytes``
         (the block cache's budget, default 256 MiB, 0 turns it off), ``writable``
@@ -696,7 +699,9 @@ class DataGadget:
         indexes : torch tensor (CPU or CUDA), NumPy or CuPy array, list, range, int or slice
             Row ids of any integer dtype and any shape; the result has shape
             ``indexes.shape + row_shape`` (a plain int gives one row without a leading axis).
-            As in SpeedTorch (CuPy indexing), a ``slice`` is a range of rows, and a tuple
+            As in SpeedTorch (CuPy indexing), a ``slice`` is a range of rows (Python's
+            rules: ``slice(-2, None)`` is the last two rows, while a negative id is an
+            error), and a tuple
             holding a slice, an array or a tensor is a NumPy-style index: row ids first,
             then slices or ints into each row, e.g. ``(slice(0, 6), slice(0, 3))`` is
             ``table[0:6, 0:3]`` (``out=`` then refused); so is a list of ids followed by
@@ -708,7 +713,8 @@ class DataGadget:
             CPU by default (CUDA cannot be used there) and an explicit CUDA device
             is an error.
         out : torch.Tensor, optional
-            A contiguous tensor of the result's shape and dtype to fill (on the GPU path).
+            A contiguous tensor of the result's shape and dtype, on the result's device,
+            to fill and return (any placement; refused with a tuple index).
         check_ids : bool, default True
             Check CUDA ids against the table's size before the gather. This costs one
             stream synchronisation (tens of microseconds); pass False for ids you know
