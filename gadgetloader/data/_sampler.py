@@ -297,7 +297,8 @@ class GadgetSampler(Sampler[Any]):
         Fill the last batch on every rank up to ``batch_size`` by repeating rows
         from the start of the epoch order. Exclusive with ``drop_last``.
     seed : int, default 0
-        The order depends only on ``(seed, epoch)``: same on every rank and run.
+        The order depends only on ``(seed, epoch)``: same on every rank and run. From 0
+        to 2**64 - 1 (else :class:`~gadgetloader.GadgetValueError`).
     window_chunks : int, optional
         For ``order='chunk'``: how many chunks are shuffled together. Default:
         enough chunks to hold 16 batches, and at least 8.
@@ -349,7 +350,8 @@ class GadgetSampler(Sampler[Any]):
       at all, which is refused (:class:`~gadgetloader.GadgetValueError`).
     * ``pad=True``: each rank yields ``ceil(n / (R * B))`` full batches; the
       ``R * B * ceil(n / (R * B)) - n`` missing rows are taken again from the start
-      of the epoch order (cyclically), so those rows are seen twice that epoch.
+      of the epoch order (cyclically), so those rows are seen twice that epoch (or
+      more often where the missing rows outnumber the rows).
 
     A state saved on one rank can be loaded on any rank of the same world size
     (the position is the same on every rank).
@@ -689,9 +691,16 @@ class GadgetSampler(Sampler[Any]):
         return _mark(pos if order is None else order[pos].to(torch.int64), n)
 
     def __iter__(self) -> Iterator[Any]:  # int64 id tensors; Any keeps DataLoader's typing happy
-        # The pass starts (taking any loaded resume position) at its first next():
-        # DataLoader may call iter() more than once before drawing a batch. No thread
-        # is started here: DataLoader forks its workers between iter() and next().
+        # The new pass takes the state over now: state_dict() reads where it will start and
+        # an older pass still being read no longer moves it. Its start is kept as a resume
+        # position, so that a second iter() before any batch (DataLoader calls it twice with
+        # workers) starts at the same place, and the pass reads it (or a position loaded
+        # since) at its first next(). No thread is started here: DataLoader forks its
+        # workers between iter() and next().
+        epoch, start = self._next_start()
+        if epoch < _EPOCH_END:  # (the pass after the last epoch refuses at its first next())
+            self._epoch, self._resume = epoch, start
+            self._passes = getattr(self, "_passes", 0) + 1
         return self._batches()
 
     def _next_start(self) -> tuple[int, int]:
