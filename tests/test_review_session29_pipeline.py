@@ -31,7 +31,7 @@ D = 3
 
 
 def feats(n, d=D):
-    return (np.arange(n * d, dtype=np.float32).reshape(n, d) * 0.5 + 1.0)
+    return np.arange(n * d, dtype=np.float32).reshape(n, d) * 0.5 + 1.0
 
 
 def make_ds(n, kind="memory", tmp_path=None, block_rows=8):
@@ -74,24 +74,35 @@ def check_batch_values(batch, n):
 
 # ----------------------------------------------------------------------------- docs examples
 
+
 def test_sequential_docstring_example():
     assert ids(gl.GadgetSampler(10, batch_size=4, order="sequential")) == [
-        [0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9],
+    ]
 
 
 def test_rank_docstring_example():
-    got = [ids(gl.GadgetSampler(9, batch_size=2, order="sequential", num_replicas=2, rank=r))
-           for r in (0, 1)]
+    got = [
+        ids(gl.GadgetSampler(9, batch_size=2, order="sequential", num_replicas=2, rank=r))
+        for r in (0, 1)
+    ]
     assert got == [[[0, 1], [2, 3, 4]], [[5, 6], [7, 8]]]
 
 
 def test_loader_docstring_example():
     ds = gl.GadgetDataset(torch.arange(10.0), placement="cpu", device="cpu")
     loader = gl.GadgetLoader(ds, batch_size=4, order="sequential")
-    assert [b[0].tolist() for b in loader] == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
+    assert [b[0].tolist() for b in loader] == [
+        [0.0, 1.0, 2.0, 3.0],
+        [4.0, 5.0, 6.0, 7.0],
+        [8.0, 9.0],
+    ]
 
 
 # ----------------------------------------------------------------------------- orders, one rank
+
 
 @pytest.mark.parametrize("order", ORDERS)
 def test_every_row_once_per_epoch(order):
@@ -165,7 +176,7 @@ def test_partial_pass_restarts_same_epoch(order):
     full = ids(gl.GadgetSampler(30, batch_size=4, **sampler_kw(order)))
     it = iter(s)
     next(it), next(it)
-    assert ids(s) == full          # new iter() before the end: the same epoch anew
+    assert ids(s) == full  # new iter() before the end: the same epoch anew
     assert s.epoch == 1
 
 
@@ -204,6 +215,7 @@ def test_order_independent_of_data_source_kind(tmp_path):
 
 # ----------------------------------------------------------------------------- chunk order
 
+
 def check_chunk_windows(order, n, chunk_rows, window_chunks):
     order = list(order)
     assert sorted(order) == list(range(n))
@@ -221,9 +233,9 @@ def check_chunk_windows(order, n, chunk_rows, window_chunks):
             seen.append(c)
     start = 0
     for w in range(0, len(seen), window_chunks):
-        chunks = seen[w:w + window_chunks]
+        chunks = seen[w : w + window_chunks]
         rows = {r for c in chunks for r in range(c * chunk_rows, min(n, (c + 1) * chunk_rows))}
-        seg = order[start:start + len(rows)]
+        seg = order[start : start + len(rows)]
         assert set(seg) == rows
         start += len(rows)
     assert start == n
@@ -240,7 +252,7 @@ def _chunk_file_case(tmp_path, n, window_chunks):
     assert ds.chunk_rows == 8
     s = gl.GadgetSampler(ds, batch_size=5, order="chunk", window_chunks=window_chunks, seed=1)
     assert s.chunk_rows == 8 and s.window_chunks == window_chunks
-    for epoch in range(2):
+    for _epoch in range(2):
         batches = list(s)
         check_chunk_windows(flat(batches), n, 8, window_chunks)
         for b in batches[:3]:
@@ -260,8 +272,9 @@ def test_chunk_order_actually_shuffles_chunks(tmp_path):
 @pytest.mark.parametrize("window_chunks", [1, 3])
 def test_chunk_order_in_memory_with_chunk_rows(window_chunks):
     ds = make_ds(50)
-    s = gl.GadgetSampler(ds, batch_size=4, order="chunk", chunk_rows=6,
-                         window_chunks=window_chunks, seed=5)
+    s = gl.GadgetSampler(
+        ds, batch_size=4, order="chunk", chunk_rows=6, window_chunks=window_chunks, seed=5
+    )
     check_chunk_windows(flat(list(s)), 50, 6, window_chunks)
 
 
@@ -289,6 +302,7 @@ def test_chunk_rows_of_mixed_file_columns(tmp_path, blocks, expect):
 
 # ----------------------------------------------------------------------------- ranks
 
+
 def shares(n, R):
     q, m = divmod(n, R)
     out, start = [], 0
@@ -302,8 +316,10 @@ def shares(n, R):
 @pytest.mark.parametrize("R", [1, 2, 3, 4, 5])
 def test_ranks_default(R):
     for order, n, bs in [(o, n, bs) for o in ORDERS for n in [5, 13, 23, 40] for bs in (1, 3, 4)]:
-        samplers = [gl.GadgetSampler(n, batch_size=bs, num_replicas=R, rank=r, **sampler_kw(order))
-                    for r in range(R)]
+        samplers = [
+            gl.GadgetSampler(n, batch_size=bs, num_replicas=R, rank=r, **sampler_kw(order))
+            for r in range(R)
+        ]
         expect_len = math.ceil((n // R) / bs)
         assert [len(s) for s in samplers] == [expect_len] * R
         per_rank = [list(s) for s in samplers]
@@ -311,9 +327,9 @@ def test_ranks_default(R):
         full = samplers[0].epoch_order(0).tolist()
         assert sorted(full) == list(range(n))
         allrows = []
-        for r, (p, (start, size)) in enumerate(zip(per_rank, shares(n, R))):
+        for r, (p, (start, size)) in enumerate(zip(per_rank, shares(n, R), strict=True)):
             f = flat(p)
-            assert f == full[start:start + size], (bs, r)
+            assert f == full[start : start + size], (bs, r)
             assert all(len(b) == bs for b in p[:-1])
             assert 1 <= len(p[-1]) <= bs + 1
             allrows += f
@@ -323,9 +339,12 @@ def test_ranks_default(R):
 @pytest.mark.parametrize("R", [1, 2, 3, 4, 5])
 def test_ranks_drop_last(R):
     for order, n, bs in [(o, n, bs) for o in ORDERS for n in [13, 23, 40] for bs in (1, 3, 4)]:
-        mk = [lambda r=r: gl.GadgetSampler(n, batch_size=bs, num_replicas=R, rank=r,
-                                           drop_last=True, **sampler_kw(order))
-              for r in range(R)]
+        mk = [
+            lambda r=r, n=n, bs=bs, order=order: gl.GadgetSampler(
+                n, batch_size=bs, num_replicas=R, rank=r, drop_last=True, **sampler_kw(order)
+            )
+            for r in range(R)
+        ]
         if n < R * bs:
             with pytest.raises(gl.GadgetValueError):
                 mk[0]()
@@ -344,9 +363,17 @@ def test_ranks_drop_last(R):
 @pytest.mark.parametrize("R", [1, 2, 3, 4, 5])
 def test_ranks_pad(R):
     for order, n, bs in [(o, n, bs) for o in ORDERS for n in [3, 13, 40] for bs in (1, 3, 4)]:
-        samplers = [gl.GadgetSampler(n, batch_size=bs, num_replicas=R, rank=r, pad=True,
-                                     **sampler_kw(order if n > 3 else "random"))
-                    for r in range(R)]
+        samplers = [
+            gl.GadgetSampler(
+                n,
+                batch_size=bs,
+                num_replicas=R,
+                rank=r,
+                pad=True,
+                **sampler_kw(order if n > 3 else "random"),
+            )
+            for r in range(R)
+        ]
         k = math.ceil(n / (R * bs))
         per_rank = [list(s) for s in samplers]
         assert [len(s) for s in samplers] == [k] * R
@@ -385,6 +412,7 @@ def test_rank_epochs_stay_consistent():
 
 # ----------------------------------------------------------------------------- sampler resume
 
+
 def run_epochs(mk, epochs):
     s = mk()
     return [ids(s) for _ in range(epochs)]
@@ -414,12 +442,12 @@ def _sampler_resume_case(order, where, R):
     for _ in range(k):
         next(it)
     st = s.state_dict()
-    r = mk(seed=12345)            # the state brings its own seed
+    r = mk(seed=12345)  # the state brings its own seed
     r.load_state_dict(st)
     rest = ids(r)
     if where == "last":
-        assert rest == []         # one empty pass ...
-        assert ids(r) == ref[1]   # ... then the next epoch
+        assert rest == []  # one empty pass ...
+        assert ids(r) == ref[1]  # ... then the next epoch
     else:
         assert rest == ref[0][k:]
         assert ids(r) == ref[1]
@@ -456,12 +484,12 @@ def test_sampler_resume_after_set_epoch(order):
     st = s.state_dict()
     r = mk()
     r.load_state_dict(st)
-    r.set_epoch(5)                # DistributedSampler loop: keeps the loaded position
+    r.set_epoch(5)  # DistributedSampler loop: keeps the loaded position
     assert ids(r) == e5[3:]
     assert ids(r) == e6
     r2 = mk()
     r2.load_state_dict(st)
-    r2.set_epoch(6)               # another epoch: from its first batch
+    r2.set_epoch(6)  # another epoch: from its first batch
     assert ids(r2) == e6
 
 
@@ -500,14 +528,20 @@ def test_load_state_not_a_mapping():
             s.load_state_dict(bad)
 
 
-BASE = dict(n=24, batch_size=4, order="random", drop_last=False, pad=False,
-            num_replicas=2, rank=0)
+BASE = dict(n=24, batch_size=4, order="random", drop_last=False, pad=False, num_replicas=2, rank=0)
 
 
-@pytest.mark.parametrize("change", [
-    {"n": 25}, {"batch_size": 3}, {"num_replicas": 3}, {"order": "sequential"},
-    {"drop_last": True}, {"pad": True},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"n": 25},
+        {"batch_size": 3},
+        {"num_replicas": 3},
+        {"order": "sequential"},
+        {"drop_last": True},
+        {"pad": True},
+    ],
+)
 def test_load_state_mismatch_refused_and_sampler_unchanged(change):
     def mk(**kw):
         p = dict(BASE, **kw)
@@ -520,12 +554,12 @@ def test_load_state_mismatch_refused_and_sampler_unchanged(change):
     st = src.state_dict()
     dst = mk(**change)
     it = iter(dst)
-    next(it)                     # dst mid-epoch too
+    next(it)  # dst mid-epoch too
     before = dst.state_dict()
     with pytest.raises(gl.GadgetValueError):
         dst.load_state_dict(st)
     assert dst.state_dict() == before
-    assert ids(it) == ids(mk(**change))[1:]   # the running pass goes on as before
+    assert ids(it) == ids(mk(**change))[1:]  # the running pass goes on as before
 
 
 def test_load_state_mismatch_chunk_layout():
@@ -540,6 +574,7 @@ def test_load_state_mismatch_chunk_layout():
 
 
 # ----------------------------------------------------------------------------- DataLoader forms
+
 
 @pytest.mark.parametrize("order", ORDERS)
 def test_dataloader_batch_sampler_values(order):
@@ -701,7 +736,7 @@ def test_stateful_dataloader_resume_across_epoch_and_set_epoch():
     s2 = mk()
     dl2 = StatefulDataLoader(ds, batch_sampler=s2)
     dl2.load_state_dict(st)
-    s2.set_epoch(2)                       # the DistributedSampler loop
+    s2.set_epoch(2)  # the DistributedSampler loop
     assert [b[1].tolist() for b in dl2] == ref[2][2:]
     s2.set_epoch(3)
     assert [b[1].tolist() for b in dl2] == ref[3]
@@ -712,8 +747,7 @@ def test_stateful_dataloader_with_workers():
     ds = make_ds(n)
     mk = lambda: gl.GadgetSampler(ds, batch_size=bs, seed=2)  # noqa: E731
     ref = ids(mk())
-    dl = StatefulDataLoader(ds, batch_sampler=mk(), num_workers=2,
-                            multiprocessing_context="fork")
+    dl = StatefulDataLoader(ds, batch_sampler=mk(), num_workers=2, multiprocessing_context="fork")
     got = []
     it = iter(dl)
     for _ in range(3):
@@ -721,8 +755,7 @@ def test_stateful_dataloader_with_workers():
         got.append(b[1].tolist())
     st = dl.state_dict()
     del it
-    dl2 = StatefulDataLoader(ds, batch_sampler=mk(), num_workers=2,
-                             multiprocessing_context="fork")
+    dl2 = StatefulDataLoader(ds, batch_sampler=mk(), num_workers=2, multiprocessing_context="fork")
     dl2.load_state_dict(st)
     rest = []
     for b in dl2:
@@ -732,6 +765,7 @@ def test_stateful_dataloader_with_workers():
 
 
 # ----------------------------------------------------------------------------- GadgetLoader
+
 
 @pytest.mark.parametrize("order", ORDERS)
 def test_loader_matches_sampler(order):
@@ -793,7 +827,7 @@ def _loader_resume_case(where, coalesce):
     it = iter(loader)
     for _ in range(k):
         got.append(next(it)[1].tolist())
-        st = loader.state_dict()       # saved inside the loop
+        st = loader.state_dict()  # saved inside the loop
     assert got == ref[0][:k]
     r = mk(seed=77)
     r.load_state_dict(st)
@@ -850,8 +884,8 @@ def test_loader_early_break_restarts_same_epoch():
     st = loader.state_dict()
     r = gl.GadgetLoader(ds, batch_size=4, seed=0)
     r.load_state_dict(st)
-    assert [b[1].tolist() for b in r] == ref[2:]    # counts handed-out batches only
-    assert [b[1].tolist() for b in loader] == ref    # same epoch anew
+    assert [b[1].tolist() for b in r] == ref[2:]  # counts handed-out batches only
+    assert [b[1].tolist() for b in loader] == ref  # same epoch anew
 
 
 def test_loader_follows_sampler_set_epoch_and_state():
@@ -886,16 +920,27 @@ def test_loader_state_mismatch_refused():
 
 def test_loader_refuses_dataloader_kwargs():
     ds = make_ds(10)
-    for kw in [{"shuffle": True}, {"batch_sampler": None}, {"collate_fn": None},
-               {"shuffle": False}]:
+    for kw in [
+        {"shuffle": True},
+        {"batch_sampler": None},
+        {"collate_fn": None},
+        {"shuffle": False},
+    ]:
         with pytest.raises(gl.GadgetTypeError):
             gl.GadgetLoader(ds, batch_size=4, **kw)
 
 
 def test_loader_with_sampler_refuses_sampler_options():
     ds = make_ds(10)
-    for kw in [{"order": "random"}, {"seed": 0}, {"drop_last": False}, {"pad": False},
-               {"num_replicas": 1}, {"batch_size": 4}, {"window_chunks": 2}]:
+    for kw in [
+        {"order": "random"},
+        {"seed": 0},
+        {"drop_last": False},
+        {"pad": False},
+        {"num_replicas": 1},
+        {"batch_size": 4},
+        {"window_chunks": 2},
+    ]:
         with pytest.raises(gl.GadgetError):
             gl.GadgetLoader(ds, sampler=gl.GadgetSampler(ds, batch_size=4), **kw)
 
@@ -916,18 +961,19 @@ def test_loader_pad_and_drop_last():
 
 # ----------------------------------------------------------------------------- GadgetDataset
 
+
 @pytest.fixture
 def mixed(tmp_path):
     n = 12
     a = np.arange(n * 2, dtype=np.float32).reshape(n, 2)
     t = torch.arange(n * 3, dtype=torch.float64).reshape(n, 3) * -1
-    g_src = (np.arange(n * 4, dtype=np.int32).reshape(n, 4) * 7)
+    g_src = np.arange(n * 4, dtype=np.int32).reshape(n, 4) * 7
     g = gl.DataGadget(g_src, placement="cpu")
     p = tmp_path / "p.npy"
     p_src = np.arange(n * 2, dtype=np.int16).reshape(n, 2) + 100
     np.save(p, p_src)
     lab = np.arange(n, dtype=np.int64)[::-1].copy()
-    flags = (np.arange(n) % 3 == 0)
+    flags = np.arange(n) % 3 == 0
     ds = gl.GadgetDataset(a, t, g, str(p), lab, flags, placement="cpu", device="cpu")
     refs = [a, t.numpy(), g_src, p_src, lab, flags]
     return ds, refs, g
@@ -937,8 +983,14 @@ def test_mixed_columns_len_and_dtypes(mixed):
     ds, refs, _ = mixed
     assert len(ds) == 12
     b = ds[[0, 1]]
-    assert [c.dtype for c in b] == [torch.float32, torch.float64, torch.int32, torch.int16,
-                                     torch.int64, torch.bool]
+    assert [c.dtype for c in b] == [
+        torch.float32,
+        torch.float64,
+        torch.int32,
+        torch.int16,
+        torch.int64,
+        torch.bool,
+    ]
     assert ds.row_nbytes == 2 * 4 + 3 * 8 + 4 * 4 + 2 * 2 + 8 + 1
 
 
@@ -947,16 +999,26 @@ def test_mixed_single_row(mixed):
     for index in [0, 5, 11, -1, -12, np.int64(4)]:
         row = ds[index]
         assert isinstance(row, tuple) and len(row) == len(refs)
-        for got, ref in zip(row, refs):
+        for got, ref in zip(row, refs, strict=True):
             np.testing.assert_array_equal(np.asarray(got), ref[int(index)])
-        assert row[4].dim() == 0   # 1-D label column: one value per row
+        assert row[4].dim() == 0  # 1-D label column: one value per row
 
 
-@pytest.mark.parametrize("index", [
-    [3, 1, 3, 0], np.array([11, 2]), torch.tensor([5, 6, 7]), range(2, 9, 3),
-    slice(2, 7), slice(-3, None), slice(None, None, -2), torch.tensor([[0, 1], [2, 3]]),
-    np.array([4], dtype=np.int32), torch.tensor([9, 1], dtype=torch.int16),
-])
+@pytest.mark.parametrize(
+    "index",
+    [
+        [3, 1, 3, 0],
+        np.array([11, 2]),
+        torch.tensor([5, 6, 7]),
+        range(2, 9, 3),
+        slice(2, 7),
+        slice(-3, None),
+        slice(None, None, -2),
+        torch.tensor([[0, 1], [2, 3]]),
+        np.array([4], dtype=np.int32),
+        torch.tensor([9, 1], dtype=torch.int16),
+    ],
+)
 def test_mixed_batch_index(mixed, index):
     ds, refs, _ = mixed
     b = ds[index]
@@ -967,7 +1029,7 @@ def test_mixed_batch_index(mixed, index):
         sel = np.array(list(index))
     else:
         sel = np.asarray(index)
-    for got, ref in zip(b, refs):
+    for got, ref in zip(b, refs, strict=True):
         np.testing.assert_array_equal(got.numpy(), ref[sel.astype(np.int64)])
 
 
@@ -975,16 +1037,22 @@ def test_getitems_returns_one_batch(mixed):
     ds, refs, _ = mixed
     out = ds.__getitems__([7, 0, 7])
     assert isinstance(out, list) and len(out) == 1 and isinstance(out[0], gl.GadgetBatch)
-    for got, ref in zip(out[0], refs):
+    for got, ref in zip(out[0], refs, strict=True):
         np.testing.assert_array_equal(got.numpy(), ref[[7, 0, 7]])
 
 
 def test_dataset_bad_ids(mixed):
     ds, _, _ = mixed
-    for bad, exc in [([-1], gl.GadgetIndexError), ([12], gl.GadgetIndexError), (12, IndexError),
-                     (-13, IndexError), ([1.0], gl.GadgetTypeError),
-                     (np.array([0.5]), gl.GadgetTypeError), ("a", gl.GadgetTypeError),
-                     (torch.tensor([13]), gl.GadgetIndexError)]:
+    for bad, exc in [
+        ([-1], gl.GadgetIndexError),
+        ([12], gl.GadgetIndexError),
+        (12, IndexError),
+        (-13, IndexError),
+        ([1.0], gl.GadgetTypeError),
+        (np.array([0.5]), gl.GadgetTypeError),
+        ("a", gl.GadgetTypeError),
+        (torch.tensor([13]), gl.GadgetIndexError),
+    ]:
         with pytest.raises(exc):
             ds[bad]
 
@@ -1009,19 +1077,24 @@ def test_datagadget_column_is_shared_arrays_are_copied():
     src = np.zeros((n, 2), np.float32)
     g = gl.DataGadget(np.ones((n, 2), np.float32), placement="cpu")
     ds = gl.GadgetDataset(src, g, placement="cpu", device="cpu")
-    src[:] = 5.0                               # copied in: no effect
-    g.insertData(torch.full((1, 2), 9.0), torch.tensor([3]))   # used as is: seen
+    src[:] = 5.0  # copied in: no effect
+    g.insertData(torch.full((1, 2), 9.0), torch.tensor([3]))  # used as is: seen
     x, y = ds[[2, 3]]
     np.testing.assert_array_equal(x.numpy(), np.zeros((2, 2), np.float32))
     np.testing.assert_array_equal(y.numpy(), np.array([[1, 1], [9, 9]], np.float32))
     ds.close()
-    assert g.getData([3]).tolist() == [[9.0, 9.0]]   # not closed by the dataset
+    assert g.getData([3]).tolist() == [[9.0, 9.0]]  # not closed by the dataset
 
 
 def test_file_column_dataset_values(tmp_path):
     n = 33
-    ds = gl.GadgetDataset(*(lambda p: (np.save(p, feats(n)), str(p))[1:])(tmp_path / "f.npy"),
-                          np.arange(n), placement="file", block_rows=4, device="cpu")
+    ds = gl.GadgetDataset(
+        *(lambda p: (np.save(p, feats(n)), str(p))[1:])(tmp_path / "f.npy"),
+        np.arange(n),
+        placement="file",
+        block_rows=4,
+        device="cpu",
+    )
     assert [c.placement for c in ds.columns] == ["file", "cpu"]
     for b in DataLoader(ds, batch_size=5, shuffle=True):
         check_batch_values(tuple(b), n)
@@ -1029,14 +1102,17 @@ def test_file_column_dataset_values(tmp_path):
         check_batch_values(b, n)
 
 
-@pytest.mark.parametrize("cols,exc,frag", [
-    ((), gl.GadgetValueError, "column"),
-    ((np.zeros((3, 2)), np.zeros(4)), gl.GadgetValueError, "rows"),
-    ((np.zeros((0, 2)),), gl.GadgetValueError, None),
-    ((object(),), gl.GadgetTypeError, None),
-    ((None,), gl.GadgetTypeError, None),
-    ((np.zeros(3), 5), gl.GadgetTypeError, None),
-])
+@pytest.mark.parametrize(
+    "cols,exc,frag",
+    [
+        ((), gl.GadgetValueError, "column"),
+        ((np.zeros((3, 2)), np.zeros(4)), gl.GadgetValueError, "rows"),
+        ((np.zeros((0, 2)),), gl.GadgetValueError, None),
+        ((object(),), gl.GadgetTypeError, None),
+        ((None,), gl.GadgetTypeError, None),
+        ((np.zeros(3), 5), gl.GadgetTypeError, None),
+    ],
+)
 def test_dataset_bad_columns(cols, exc, frag):
     with pytest.raises(exc, match=frag):
         gl.GadgetDataset(*cols, placement="cpu", device="cpu")
@@ -1079,7 +1155,9 @@ BAD_SAMPLER_OPTIONS = [
 
 @pytest.mark.parametrize("kind", ["value", "type", "key"])
 def test_sampler_bad_options(kind):
-    want = {"value": gl.GadgetValueError, "type": gl.GadgetTypeError, "key": gl.GadgetKeyError}[kind]
+    want = {"value": gl.GadgetValueError, "type": gl.GadgetTypeError, "key": gl.GadgetKeyError}[
+        kind
+    ]
     cases = [kw for kw, exc in BAD_SAMPLER_OPTIONS if exc is want]
     assert cases
     for kw in cases:
@@ -1088,8 +1166,12 @@ def test_sampler_bad_options(kind):
 
 
 def test_sampler_bad_data_source():
-    for src, exc in [(0, gl.GadgetValueError), ("/tmp/x.npy", gl.GadgetTypeError),
-                     (3.5, gl.GadgetTypeError), (-4, gl.GadgetValueError)]:
+    for src, exc in [
+        (0, gl.GadgetValueError),
+        ("/tmp/x.npy", gl.GadgetTypeError),
+        (3.5, gl.GadgetTypeError),
+        (-4, gl.GadgetValueError),
+    ]:
         with pytest.raises(exc):
             gl.GadgetSampler(src, batch_size=2)
 
@@ -1120,14 +1202,15 @@ def test_sampler_batches_are_views_clone_safe():
 
 # ----------------------------------------------------------------------------- passes and state
 
+
 def test_state_after_new_iter_matches_new_pass():
     # "Starting a new iter() before the pass ends restarts the current epoch" and
     # state_dict(): "load it into a fresh sampler to continue from the next batch".
     s = gl.GadgetSampler(20, batch_size=3, seed=1)
     it1 = iter(s)
-    next(it1), next(it1)                  # an early break after two batches
-    it2 = iter(s)                         # the next loop starts
-    st = s.state_dict()                   # checkpoint before its first batch
+    next(it1), next(it1)  # an early break after two batches
+    it2 = iter(s)  # the next loop starts
+    st = s.state_dict()  # checkpoint before its first batch
     fresh = gl.GadgetSampler(20, batch_size=3, seed=1)
     fresh.load_state_dict(st)
     assert ids(fresh) == ids(it2)
@@ -1140,7 +1223,7 @@ def test_stateful_dataloader_state_at_start_of_pass_after_break():
     for i, _ in enumerate(dl):
         if i == 1:
             break
-    it = iter(dl)                          # next epoch loop: the same epoch anew
+    it = iter(dl)  # next epoch loop: the same epoch anew
     st = dl.state_dict()
     rest = [b[1].tolist() for b in it]
     assert rest == ids(mk())
@@ -1172,12 +1255,12 @@ def test_older_pass_no_longer_moves_state_after_new_pass_starts():
     next(it1)
     it2 = iter(s)
     assert next(it2).tolist() == ref[0]
-    assert next(it1).tolist() == ref[1]      # the old pass still yields its batches
+    assert next(it1).tolist() == ref[1]  # the old pass still yields its batches
     assert next(it1).tolist() == ref[2]
     st = s.state_dict()
     f = gl.GadgetSampler(20, batch_size=3)
     f.load_state_dict(st)
-    assert ids(f) == ref[1:]                 # but the state follows it2 (1 batch drawn)
+    assert ids(f) == ref[1:]  # but the state follows it2 (1 batch drawn)
 
 
 def test_older_pass_after_load_and_set_epoch():
@@ -1247,8 +1330,16 @@ def test_stateful_dataloader_sampler_batch_size_none():
 
 def test_gadget_loader_with_workers_resume():
     ds = make_ds(20)
-    mk = lambda: gl.GadgetLoader(ds, batch_size=3, seed=1, num_workers=1,  # noqa: E731
-                                 multiprocessing_context="fork")
+
+    def mk():
+        return gl.GadgetLoader(
+            ds,
+            batch_size=3,
+            seed=1,
+            num_workers=1,
+            multiprocessing_context="fork",
+        )
+
     ref = ids(gl.GadgetSampler(ds, batch_size=3, seed=1))
     loader = mk()
     it = iter(loader)
@@ -1279,9 +1370,12 @@ def test_resume_with_pad_or_drop_last_on_ranks(mode):
 
 # ----------------------------------------------------------------------------- small cases
 
+
 def test_pad_fewer_rows_than_ranks():
-    got = [ids(gl.GadgetSampler(3, batch_size=2, num_replicas=4, rank=r, pad=True, seed=0))
-           for r in range(4)]
+    got = [
+        ids(gl.GadgetSampler(3, batch_size=2, num_replicas=4, rank=r, pad=True, seed=0))
+        for r in range(4)
+    ]
     assert all(len(g) == 1 and len(g[0]) == 2 for g in got)
     c = Counter(flat([b for g in got for b in g]))
     assert sorted(c) == [0, 1, 2] and sum(c.values()) == 8
@@ -1292,8 +1386,10 @@ def test_pad_single_row():
 
 
 def test_drop_last_exactly_one_batch_per_rank():
-    got = [ids(gl.GadgetSampler(8, batch_size=4, num_replicas=2, rank=r, drop_last=True))
-           for r in range(2)]
+    got = [
+        ids(gl.GadgetSampler(8, batch_size=4, num_replicas=2, rank=r, drop_last=True))
+        for r in range(2)
+    ]
     assert [len(g) for g in got] == [1, 1]
     assert sorted(flat([g[0] for g in got])) == list(range(8))
 
@@ -1310,9 +1406,9 @@ def test_sampler_data_source_kinds(src):
 
 
 def test_large_seed_is_deterministic():
-    a = ids(gl.GadgetSampler(30, batch_size=4, seed=2 ** 40))
-    b = ids(gl.GadgetSampler(30, batch_size=4, seed=2 ** 40))
-    c = ids(gl.GadgetSampler(30, batch_size=4, seed=2 ** 40 + 1))
+    a = ids(gl.GadgetSampler(30, batch_size=4, seed=2**40))
+    b = ids(gl.GadgetSampler(30, batch_size=4, seed=2**40))
+    c = ids(gl.GadgetSampler(30, batch_size=4, seed=2**40 + 1))
     assert a == b and a != c
 
 
@@ -1328,7 +1424,8 @@ def test_loader_len_matches_sampler_modes():
     ds = make_ds(23)
     for kw in ({}, {"drop_last": True}, {"pad": True}, {"num_replicas": 3, "rank": 2}):
         assert len(gl.GadgetLoader(ds, batch_size=3, **kw)) == len(
-            gl.GadgetSampler(ds, batch_size=3, **kw))
+            gl.GadgetSampler(ds, batch_size=3, **kw)
+        )
 
 
 def test_dataloader_second_loop_after_break_is_full_epoch():
@@ -1347,12 +1444,19 @@ def test_dataloader_second_loop_after_break_is_full_epoch():
 
 # ----------------------------------------------------------------------------- more edges
 
+
 def test_corrupt_states_refused_sampler_unchanged():
     src = gl.GadgetSampler(20, batch_size=3, seed=1)
     st = src.state_dict()
-    bad = [dict(st, position=99), dict(st, position=8), dict(st, position=-1),
-           dict(st, epoch=-1), dict(st, version=99), dict(st, position="a"),
-           {k: v for k, v in st.items() if k != "position"}]
+    bad = [
+        dict(st, position=99),
+        dict(st, position=8),
+        dict(st, position=-1),
+        dict(st, epoch=-1),
+        dict(st, version=99),
+        dict(st, position="a"),
+        {k: v for k, v in st.items() if k != "position"},
+    ]
     for d in bad:
         r = gl.GadgetSampler(20, batch_size=3, seed=4)
         before = r.state_dict()
@@ -1373,7 +1477,9 @@ def test_loader_refused_state_and_epoch_change_nothing():
     with pytest.raises(gl.GadgetTypeError):
         L.set_epoch(1.5)
     with pytest.raises(gl.GadgetValueError):
-        L.load_state_dict(gl.GadgetSampler(20, batch_size=3).state_dict())  # a sampler's, not a loader's
+        L.load_state_dict(
+            gl.GadgetSampler(20, batch_size=3).state_dict()
+        )  # a sampler's, not a loader's
     assert L.state_dict() == before
 
 
@@ -1384,8 +1490,9 @@ def test_chunk_order_ranks_share_at_most_one_window(tmp_path, R):
     chunks = []
     rows = []
     for r in range(R):
-        s = gl.GadgetSampler(ds, batch_size=4, order="chunk", window_chunks=wc, seed=3,
-                             num_replicas=R, rank=r)
+        s = gl.GadgetSampler(
+            ds, batch_size=4, order="chunk", window_chunks=wc, seed=3, num_replicas=R, rank=r
+        )
         f = flat(list(s))
         rows += f
         chunks.append({i // cr for i in f})
@@ -1417,9 +1524,15 @@ def test_dataloader_batch_sampler_with_workers():
     assert got == ref
 
 
-@pytest.mark.parametrize("kw", [{"pad": True}, {"drop_last": True},
-                                {"num_replicas": 3, "rank": 1, "pad": True},
-                                {"num_replicas": 2, "rank": 1}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"pad": True},
+        {"drop_last": True},
+        {"num_replicas": 3, "rank": 1, "pad": True},
+        {"num_replicas": 2, "rank": 1},
+    ],
+)
 def test_loader_coalesced_modes_match_sampler(kw):
     n = 23
     ds = make_ds(n)
@@ -1456,7 +1569,7 @@ def test_loader_chunk_file_backed_resume(tmp_path):
 
 def test_dataset_column_layouts_and_dtypes():
     x = np.arange(60, dtype=np.float32).reshape(20, 3)
-    t = torch.arange(60.0).reshape(3, 20).T            # non-contiguous tensor
+    t = torch.arange(60.0).reshape(3, 20).T  # non-contiguous tensor
     c3 = np.arange(20 * 6, dtype=np.int64).reshape(20, 2, 3)
     bf = torch.arange(20, dtype=torch.bfloat16)
     w = torch.ones(20, requires_grad=True)

@@ -137,8 +137,8 @@ class FileStore(Store):
         Whether :meth:`scatter` / :meth:`write_block` write through to the file.
         Default: when the format can write and the file is writable. ``False``
         makes the store read-only; ``True`` on a file that cannot be written raises.
-        Anything but ``True``, ``False`` or ``None`` (NumPy bools too) raises
-        :class:`~gadgetloader.GadgetTypeError`.
+        It takes ``True``, ``False`` (NumPy's bools too) or ``None``; anything else (an
+        int, a string) raises :class:`~gadgetloader.GadgetTypeError`.
     block_rows : int, optional
         Rows per read. Default: the file's chunk length, or about 4 KiB (a page) of rows for
         unchunked files (.npy, contiguous HDF5).
@@ -180,20 +180,20 @@ class FileStore(Store):
         block_rows: int | None = None,
     ) -> None:
         super().__init__(source.shape, source.dtype)
-        if (
-            isinstance(cache_bytes, bool)
-            or not isinstance(cache_bytes, (int, np.integer))
-            or cache_bytes < 0
+        # the wrong kind of value is a GadgetTypeError, an int out of range a GadgetValueError
+        for name, value, least, none_ok in (
+            ("cache_bytes", cache_bytes, 0, False),
+            ("block_rows", block_rows, 1, True),
         ):
-            raise GadgetValueError(
-                f"cache_bytes must be a non-negative integer; got {cache_bytes!r}"
-            )
-        if block_rows is not None and (
-            isinstance(block_rows, bool)
-            or not isinstance(block_rows, (int, np.integer))
-            or block_rows < 1
-        ):
-            raise GadgetValueError(f"block_rows must be a positive integer; got {block_rows!r}")
+            if value is None and none_ok:
+                continue
+            what = "a non-negative" if least == 0 else "a positive"
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise GadgetTypeError(
+                    f"{name} must be {what} integer; got {value!r} of type {type(value).__name__}"
+                )
+            if value < least:
+                raise GadgetValueError(f"{name} must be {what} integer; got {value!r}")
         if writable is not None and not isinstance(writable, (bool, np.bool_)):
             # bool('no') is True: a string or number here must not give a writable table
             raise GadgetTypeError(

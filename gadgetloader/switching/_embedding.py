@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the torch idiom)
 from torch import nn
 
-from .._device import cupy_available, resolve_device, user_stacklevel
+from .._device import cuda_available, cupy_available, resolve_device, user_stacklevel
 from .._dtypes import as_torch_dtype, dtype_name
 from .._errors import GadgetTypeError, GadgetValueError, as_count, as_flag
 from .._ids import as_ids, range_check_of
@@ -125,13 +125,15 @@ class _OffloadedTable(nn.Module):
         self,
         num_embeddings: int,
         embedding_dim: int,
-        placement: str,
+        placement: str | None,
         *,
         dtype: Any,
         device: Any,
         init: Callable[..., Any] | None,
     ) -> None:
         super().__init__()
+        if placement is None:  # the default: no fallback warning on a machine without CUDA
+            placement = "pinned" if cuda_available() else "cpu"
         self.num_embeddings = as_count(num_embeddings, "num_embeddings")
         self.embedding_dim = as_count(embedding_dim, "embedding_dim")
         self.compute_device = resolve_device(device)
@@ -621,8 +623,10 @@ class OffloadedEmbedding(_OffloadedTable):
     ----------
     num_embeddings, embedding_dim : int
         The table's shape.
-    placement : {'pinned', 'cuda', 'cpu'}, default 'pinned'
-        Where the table and its optimizer state live.
+    placement : {'pinned', 'cuda', 'cpu'}, optional
+        Where the table and its optimizer state live. Default: ``pinned`` where CUDA is
+        available, else ``cpu`` (silently; ``cuda`` or ``pinned`` asked for by name on
+        such a machine falls back to ``cpu`` with a ``FallbackWarning``, once a process).
     dtype : default float32
     device : optional
         Where lookups are delivered and the optimizer step runs (default: the
@@ -659,7 +663,9 @@ class OffloadedEmbedding(_OffloadedTable):
     includes the whole table as ``weight`` (fine for small tables; use
     :func:`~gadgetloader.switching.save_checkpoint` for large ones). Forward
     calls made with gradients enabled keep their rows until the next
-    ``step()``: evaluate under ``torch.no_grad()``.
+    ``step()``: evaluate under ``torch.no_grad()``. ``nn.Embedding``'s ``padding_idx``,
+    ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` are not taken (a ``TypeError``
+    for the unknown keyword).
 
     On a CUDA device a training lookup's plan and gather (a sort, the plan kernel, the
     fused gather of the rows and their optimizer states: most of a step's CPU time) are
@@ -683,7 +689,7 @@ class OffloadedEmbedding(_OffloadedTable):
         self,
         num_embeddings: int,
         embedding_dim: int,
-        placement: str = "pinned",
+        placement: str | None = None,
         *,
         dtype: Any = torch.float32,
         device: Any = None,
@@ -715,9 +721,13 @@ class OffloadedEmbeddingBag(_OffloadedTable):
     (one synchronisation each): bags are long, and a plan sized on the GPU would give
     the per-step variable one row per bag entry; torch's bag backward synchronises anyway.
     ``offsets`` (int64 or int32, 1-D) must start at 0, never decrease and not pass the
-    input's length (end at it with ``include_last_offset``), and ``per_sample_weights``
+    input's length (end at it with ``include_last_offset``); empty offsets go only with
+    an empty input (no bags: a ``(0, embedding_dim)`` result, as torch's), and ``per_sample_weights``
     must be a float tensor of the input's shape: both are checked before the lookup is
     recorded (CUDA offsets with one read-back), so a bad call leaves nothing for the step.
+    ``nn.EmbeddingBag``'s ``padding_idx``, ``max_norm``, ``scale_grad_by_freq`` and
+    ``sparse`` are not taken (a ``TypeError`` for the unknown keyword); the table's own
+    gradient path is always the paged one.
     """
 
     _device_plans = False
@@ -727,7 +737,7 @@ class OffloadedEmbeddingBag(_OffloadedTable):
         num_embeddings: int,
         embedding_dim: int,
         mode: str = "mean",
-        placement: str = "pinned",
+        placement: str | None = None,
         *,
         include_last_offset: bool = False,
         dtype: Any = torch.float32,
@@ -773,19 +783,29 @@ class OffloadedEmbeddingBag(_OffloadedTable):
                     "offsets must be a 1-D int64 (or int32) tensor of bag starts; got "
                     f"{offsets.dtype} of shape {tuple(offsets.shape)}"
                 )
-            if offsets.numel() == 0:
-                raise GadgetValueError("offsets must hold at least one bag start; got none")
-            off = offsets.to(torch.int64)
-            first, last = off[0], off[-1]
-            ordered = bool(
-                torch.stack(
-                    (
-                        first == 0,
-                        (off[1:] >= off[:-1]).all(),
-                        (last == n) if self.include_last_offset else (last <= n),
+            if offsets.numel() == 0 and (n or self.include_last_offset):
+                raise GadgetValueError(
+                    "offsets must hold at least one bag start"
+                    + (
+                        " (with include_last_offset, the end too)"
+                        if self.include_last_offset
+                        else ""
                     )
-                ).all()
-            )  # one read-back for CUDA offsets
+                    + f" for an input of {n} ids; got none"
+                )
+            ordered = True  # no offsets and no ids: no bags, a (0, embedding_dim) result
+            if offsets.numel():
+                off = offsets.to(torch.int64)
+                first, last = off[0], off[-1]
+                ordered = bool(
+                    torch.stack(
+                        (
+                            first == 0,
+                            (off[1:] >= off[:-1]).all(),
+                            (last == n) if self.include_last_offset else (last <= n),
+                        )
+                    ).all()
+                )  # one read-back for CUDA offsets
             if not ordered:
                 end = f"end with {n}" if self.include_last_offset else f"not exceed {n}"
                 raise GadgetValueError(
