@@ -314,8 +314,10 @@ class GadgetSampler(Sampler[Any]):
         ``order='chunk'``: a ``random`` / ``sequential`` state loads into a sampler
         built with other values, or without them.
     num_replicas, rank : int, optional
-        Shard over ranks; default: ``torch.distributed``'s world size and rank when
-        it is initialised, else one rank. Without ``torch.distributed``, a
+        Shard over ranks; default: ``torch.distributed``'s world size and rank, read
+        when the sampler is built, if it is initialised then, else one rank. Each of
+        the two not given is taken from the group (``num_replicas=1`` on every rank of a
+        group also needs ``rank=0``). Without ``torch.distributed``, a
         ``num_replicas`` above 1 needs ``rank`` too (a ``GadgetValueError`` otherwise).
     coalesce : int, optional
         Read-ahead for the batches a dataset is asked for through its indexing, as
