@@ -140,3 +140,30 @@ def test_file_options_kind_and_range(tmp_path, options: dict, exc: type) -> None
         g.getData([2, 0], device="cpu").numpy(), np.ones((2, 2), np.float32)
     )
     g.close()
+
+
+# ---- CUDA columns delivered to the CPU in the main process ------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["default", "batch_sampler", "loader"])
+def test_cuda_columns_delivered_to_the_cpu(form: str) -> None:
+    """``device='cpu'`` over columns in GPU memory: a GPU gather, then a copy (the refusal
+    is for DataLoader workers, which must not touch CUDA)."""
+    x = torch.arange(37 * 3, dtype=torch.float32, device="cuda").reshape(37, 3)
+    y = torch.arange(37, device="cuda") * 7
+    ds = gl.GadgetDataset(x, y, device="cpu")
+    assert [g.placement for g in ds.columns] == ["cuda", "cuda"]
+    if form == "default":
+        batches = list(torch.utils.data.DataLoader(ds, batch_size=8))
+        order = torch.arange(37)
+    elif form == "batch_sampler":
+        s = gl.GadgetSampler(ds, batch_size=8, seed=4)
+        batches = list(torch.utils.data.DataLoader(ds, batch_sampler=s))
+        order = s.epoch_order(0)
+    else:
+        batches = list(gl.GadgetLoader(ds, batch_size=8, order="sequential"))
+        order = torch.arange(37)
+    assert [len(b[0]) for b in batches] == [8, 8, 8, 8, 5]
+    got_x = torch.cat([b[0] for b in batches])
+    got_y = torch.cat([b[1] for b in batches])
+    assert got_x.device.type == got_y.device.type == "cpu"
+    assert torch.equal(got_x, x.cpu()[order]) and torch.equal(got_y, y.cpu()[order])

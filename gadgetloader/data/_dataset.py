@@ -376,9 +376,11 @@ class GadgetDataset(Dataset[Any]):
                 )
             if (
                 target.type == "cpu"
+                and _worker_info() is not None
                 and store.host_view() is None
                 and store.device_view() is not None
             ):
+                # (in the main process a CPU target takes a GPU gather, then a copy)
                 raise GadgetTypeError(
                     f"column {i} lives in GPU memory ({store.placement!r}) and cannot be read in "
                     "a DataLoader worker process; use num_workers=0 (a batch is one GPU gather) "
