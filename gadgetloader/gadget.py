@@ -298,8 +298,10 @@ class DataGadget:
         SpeedTorch's switch: True keeps the table in pinned host RAM that the GPU
         reads in place, False in GPU memory. ``placement`` overrides it.
     placement : {'cuda', 'pinned', 'cpu', 'file'}, optional
-        Where the rows live. ``cuda`` and ``pinned`` fall back to ``cpu`` (with one
-        warning) on a machine without CUDA.
+        Where the rows live. Default: ``pinned`` with ``CPUPinn=True``, else ``cuda``
+        (SpeedTorch's defaults). ``cuda`` and ``pinned``, the defaults included, fall
+        back to ``cpu`` on a machine without CUDA, with a ``FallbackWarning`` (once a
+        process).
     shape, dtype
         For a new table (``dtype`` defaults to float32). ``dtype`` may be a string
         (``'float32'``), a NumPy or a torch dtype. With an array or tensor source,

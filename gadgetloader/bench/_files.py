@@ -283,7 +283,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if importlib.util.find_spec(module) is None:
                 formats.remove(fmt)
                 skipped.append(
-                    f"{fmt}: {module} is not installed (pip install 'gadgetloader[{extra}]')"
+                    f"{fmt}: {module} is not installed (pip install 'gadgetloader[{extra}]'; "
+                    f"from a checkout: pip install -e '.[{extra}]')"
                 )
     placement = _placement()
     device = torch.device("cuda") if cuda_available() else torch.device("cpu")
