@@ -268,7 +268,7 @@ def probe_state(
             probe_opt.step()
     except Exception as exc:
         raise GadgetTypeError(
-            f"a {cls.__name__} with these options failed a step on a one-row probe of the "
+            f"{cls.__name__} with these options failed a step on a one-row probe of the "
             f"table, so its state cannot be paged ({type(exc).__name__}: {exc})"
         ) from exc
     state = probe_opt.state[probe]
