@@ -205,17 +205,23 @@ def check_range(ids: torch.Tensor, num_rows: int) -> None:
         lo, hi = torch.aminmax(ids)
         lo_v, hi_v = int(lo), int(hi)
     if lo_v < 0 or hi_v >= num_rows:
-        bad = lo_v if lo_v < 0 else hi_v
-        what = "negative" if bad < 0 else "out of range"
-        if num_rows == 0:
-            raise GadgetIndexError(
-                f"id {bad} is {what}: this table has no rows, so no id addresses one; "
-                "nothing was read or written"
-            )
-        raise GadgetIndexError(
-            f"id {bad} is {what}: this table has {num_rows} rows, so ids must be in "
-            f"[0, {num_rows - 1}] (ids seen: min {lo_v}, max {hi_v}); nothing was read or written"
+        raise _range_error(lo_v, hi_v, num_rows, f"min {lo_v}, max {hi_v}")
+
+
+def _range_error(lo: int, hi: int, num_rows: int, seen: str) -> GadgetIndexError:
+    """The error for ids whose smallest is ``lo`` and largest ``hi`` when one of them lies
+    outside ``[0, num_rows)``; ``seen`` describes the ids."""
+    bad = lo if lo < 0 else hi
+    what = "negative" if bad < 0 else "out of range"
+    if num_rows == 0:
+        return GadgetIndexError(
+            f"id {bad} is {what}: this table has no rows, so no id addresses one; "
+            "nothing was read or written"
         )
+    return GadgetIndexError(
+        f"id {bad} is {what}: this table has {num_rows} rows, so ids must be in "
+        f"[0, {num_rows - 1}] (ids seen: {seen}); nothing was read or written"
+    )
 
 
 class _Ends(threading.local):
@@ -457,12 +463,9 @@ def int64_ids(indexes: Any, num_rows: int, device: torch.device | None = None) -
     if isinstance(indexes, range) and indexes:
         # checked from its ends before it is built (a range far past the table would
         # first take gigabytes)
-        top = max(indexes[0], indexes[-1])
-        if top >= num_rows and min(indexes[0], indexes[-1]) >= 0:
-            raise GadgetIndexError(
-                f"id {top} is out of range: this table has {num_rows} rows, so ids must be in "
-                f"[0, {num_rows - 1}] (ids seen: {indexes}); nothing was read or written"
-            )
+        lo, hi = min(indexes[0], indexes[-1]), max(indexes[0], indexes[-1])
+        if lo < 0 or hi >= num_rows:
+            raise _range_error(lo, hi, num_rows, str(indexes))
     t = _to_tensor(indexes)
     if t.dtype == torch.bool:
         raise GadgetTypeError(

@@ -430,7 +430,9 @@ class GadgetDataset(Dataset[Any]):
 
         A single int and a slice follow Python (``ds[-1]`` is the last row, ``ds[-3:]``
         the last three); ids in a list, array or tensor must lie in ``[0, len(ds))``
-        (a negative one raises :class:`~gadgetloader.GadgetIndexError`)."""
+        (a negative one raises :class:`~gadgetloader.GadgetIndexError`). A 0-d tensor
+        or array is an id, not an int: it gives a :class:`GadgetBatch` of one row per
+        column (unbatched, as ``ds[i]``'s rows) and must lie in ``[0, len(ds))``."""
         if isinstance(index, slice):
             index = _rows_of(index, self._num_rows)
         if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
