@@ -674,7 +674,8 @@ class OffloadedEmbedding(_OffloadedTable):
     up to two captured copies (a step's outputs stay in use until the next step), at
     most four counts and 512 MiB of captured outputs per table; a copy whose outputs are
     still referenced is never replayed over (the lookup then runs eagerly). Set the
-    environment variable ``GADGETLOADER_CUDA_GRAPHS=0`` to turn this off.
+    environment variable ``GADGETLOADER_CUDA_GRAPHS=0`` (or ``false``, ``no``, ``off``)
+    before gadgetloader is imported to turn this off (it is read once, at import).
 
     Examples
     --------
