@@ -1108,9 +1108,9 @@ class DataGadget:
         """The whole table as a torch tensor *without copying*: the CUDA view for
         ``cuda`` and ``pinned`` (GPU ops on it read/write host RAM in place for
         ``pinned``), the CPU tensor for ``cpu``. Valid until :meth:`close` or
-        :meth:`load` (which gives the table new storage, except for a table interleaved
-        with its optimizer states: take a new view after it; an older view keeps the old
-        rows)."""
+        :meth:`load`: a load gives the table new storage (take a new view after it; an
+        older view keeps the old rows), except on a table interleaved with its optimizer
+        states, which a load refills in place (a view stays the table)."""
         self._store.check_open()
         view = self._store.device_view()
         if view is None:
@@ -1120,8 +1120,11 @@ class DataGadget:
         return view
 
     def getNumpyVersion(self, copy: bool = True) -> np.ndarray:
-        """The table as a NumPy array (a copy unless ``copy=False`` on a host-resident table;
-        such a view, like :meth:`as_tensor`'s, is the table until :meth:`close` or :meth:`load`).
+        """The table as a NumPy array: a copy, unless ``copy=False`` on a host-resident
+        (``cpu`` or ``pinned``) table that is not bfloat16; such a view, like
+        :meth:`as_tensor`'s, is the table until :meth:`close` or :meth:`load`. Where no
+        view can be had (``cuda`` and ``file`` tables, bfloat16), ``copy=False`` gives
+        a copy all the same: writes to it do not reach the table.
 
         bfloat16 tables come back as float32 (exact), since NumPy has no bfloat16.
         """
