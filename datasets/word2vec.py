@@ -1,7 +1,8 @@
 """word2vec skip-gram with negative sampling, tables and Adam state off the GPU.
 
 Both embedding tables (input ``u`` and output ``v``) and their Adam moments live in
-pinned host RAM (``--placement pinned``; plain RAM on a machine without CUDA); each
+pinned host RAM by default (``--placement pinned``; plain RAM, silently, on a machine
+without CUDA, where asking for ``pinned`` by name warns and falls back); each
 step pages only the batch's distinct rows to the GPU and back, so the vocabulary
 can be far larger than GPU memory. The training loop is plain PyTorch:
 forward, backward, ``optimizer.step()``.
@@ -11,7 +12,9 @@ Usage::
     python -m datasets.word2vec corpus.txt --dim 128 --epochs 1 --out vectors
 
 writes ``vectors.npy`` (the input embeddings, one row per word) and
-``vectors.vocab.txt`` (the words in row order, with counts).
+``vectors.vocab.txt`` (the words in row order, with counts). Bad arguments exit with
+status 2, a corpus too small to train on or a failed save with status 1, each with a
+one-line message.
 """
 
 from __future__ import annotations
@@ -109,7 +112,9 @@ def skipgram_pairs(
 class SkipGram(nn.Module):
     """Input and output embeddings in stores; SGNS loss."""
 
-    def __init__(self, vocab_size: int, dim: int, placement: str, device: Any, seed: int) -> None:
+    def __init__(
+        self, vocab_size: int, dim: int, placement: str | None, device: Any, seed: int
+    ) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         bound = 0.5 / dim
@@ -148,7 +153,11 @@ class Word2VecResult:
         return self.model.u.table.getNumpyVersion()
 
     def most_similar(self, word: str, k: int = 10) -> list[tuple[str, float]]:
-        """The ``k`` words with the highest cosine similarity to ``word``."""
+        """The ``k`` words with the highest cosine similarity to ``word`` (lower-cased, as
+        the corpus is), best first; a word not in the vocabulary is a ``KeyError``."""
+        word = word.lower()
+        if word not in self.vocab.index:
+            raise KeyError(f"{word!r} is not in the vocabulary ({len(self.vocab)} words)")
         vec = self.vectors()
         unit = vec / np.maximum(np.linalg.norm(vec, axis=1, keepdims=True), 1e-12)
         sims = unit @ unit[self.vocab.index[word]]
@@ -174,7 +183,7 @@ def train(
     batch_size: int = 4096,
     lr: float = 0.01,
     min_count: int = 1,
-    placement: str = "pinned",
+    placement: str | None = None,
     device: Any = None,
     seed: int = 0,
     chunk_tokens: int = 1 << 20,
@@ -185,12 +194,14 @@ def train(
     Parameters
     ----------
     corpus : path
-        Any text file; words are the lower-cased whitespace-separated tokens.
+        Any text file, read as UTF-8 (undecodable bytes become U+FFFD); words are the
+        lower-cased whitespace-separated tokens.
     dim, epochs, window, negatives, batch_size, lr, min_count
         The usual word2vec settings (``negatives`` drawn from unigram counts ** 0.75;
         ``batch_size`` counts (center, context) pairs).
-    placement : {'pinned', 'cpu', 'cuda'}
-        Where both tables and their Adam state live.
+    placement : {'pinned', 'cpu', 'cuda'}, optional
+        Where both tables and their Adam state live (default: ``pinned`` with CUDA,
+        else ``cpu``, as :class:`gadgetloader.OffloadedEmbedding`).
     device : optional
         Where the steps run (default: the GPU where present).
     chunk_tokens : int
@@ -203,7 +214,8 @@ def train(
     -----
     Each step moves only the distinct rows of the batch (and their two Adam moments)
     between the stores and the GPU; repeated words within a batch are merged, so their
-    gradients add up exactly.
+    gradients add up exactly. The output table starts at zero (as in word2vec), so the
+    first step moves only it: a corpus that fits in one batch wants several ``epochs``.
     """
     if not (isinstance(chunk_tokens, int) and chunk_tokens >= 1):
         raise ValueError(f"chunk_tokens must be a whole number of at least 1; got {chunk_tokens!r}")
@@ -307,7 +319,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="Adam's learning rate (default 0.01; small corpora want several --epochs)",
     )
     p.add_argument("--min-count", type=_count(1), default=1)
-    p.add_argument("--placement", default="pinned", choices=["pinned", "cpu", "cuda"])
+    p.add_argument(
+        "--placement",
+        default=None,
+        choices=["pinned", "cpu", "cuda"],
+        help="where the tables and Adam state live (default: pinned with CUDA, else cpu)",
+    )
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=_count(0), default=0)
     p.add_argument("--out", default=None, help="write OUT.npy and OUT.vocab.txt")

@@ -57,3 +57,46 @@ def test_a_zero_dim_id_reads_one_row_as_a_batch(make) -> None:
     assert int(got[1]) == 9 and got[1].dim() == 0
     with pytest.raises(gl.GadgetIndexError, match="negative"):
         ds[make(-1)]
+
+
+# ---- the word2vec example: the library's default placement; most_similar's words ---------------
+@pytest.fixture
+def small_corpus(tmp_path):
+    path = tmp_path / "c.txt"
+    path.write_text("King queen royal crown\nking queen throne\ncat dog pet fur\n" * 20)
+    return path
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_word2vec_default_placement_is_silent_without_cuda(small_corpus, no_cuda, capsys) -> None:
+    import warnings
+
+    from datasets import word2vec
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a FallbackWarning would fail here
+        rc = word2vec.main([str(small_corpus), "--dim", "8", "--batch-size", "64", "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr()
+    assert "vocabulary" in out.out and "Warning" not in out.err
+
+
+def test_word2vec_pinned_by_name_still_warns_without_cuda(small_corpus, no_cuda) -> None:
+    from datasets import word2vec
+
+    with pytest.warns(gl.FallbackWarning):
+        word2vec.train(small_corpus, dim=8, batch_size=64, placement="pinned", progress=False)
+
+
+def test_word2vec_most_similar_lower_cases_and_names_unknown_words(small_corpus, no_cuda) -> None:
+    from datasets import word2vec
+
+    r = word2vec.train(small_corpus, dim=8, batch_size=64, progress=False)
+    assert r.most_similar("KING", 3) == r.most_similar("king", 3)
+    assert all(w != "king" for w, _ in r.most_similar("King", 20))
+    with pytest.raises(KeyError, match="'prince' is not in the vocabulary"):
+        r.most_similar("Prince")

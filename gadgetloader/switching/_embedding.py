@@ -268,6 +268,7 @@ class _OffloadedTable(nn.Module):
         return (
             f"{self.num_embeddings}, {self.embedding_dim}, placement={self.placement!r}, "
             f"dtype={dtype_name(self.table.dtype)}, device={str(self.compute_device)!r}"
+            + (f", output_dtype={dtype_name(self._out_dtype)}" if self._out_dtype else "")
         )
 
     def _rows_for(self, input: Any) -> tuple[torch.Tensor, torch.Tensor, RowPlan]:
@@ -665,7 +666,11 @@ class OffloadedEmbedding(_OffloadedTable):
     calls made with gradients enabled keep their rows until the next
     ``step()``: evaluate under ``torch.no_grad()``. ``nn.Embedding``'s ``padding_idx``,
     ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` are not taken (a ``TypeError``
-    for the unknown keyword).
+    for the unknown keyword). Other differences from ``nn.Embedding``: a table has at
+    least one row; ``load_state_dict`` also takes a NumPy array and refuses integer
+    values for a float table (torch would convert them); ``repr`` shows the table's
+    dtype and, after ``.half()`` / ``.double()`` / ``.to(dtype)``, the lookups'
+    ``output_dtype``.
 
     On a CUDA device a training lookup's plan and gather (a sort, the plan kernel, the
     fused gather of the rows and their optimizer states: most of a step's CPU time) are
