@@ -50,3 +50,13 @@ def as_path(path: Any, what: str = "path") -> str:
         f"{what} must be a str or os.PathLike (a file or directory name); got "
         f"{type(path).__name__} {_shown(path)}"
     )
+
+
+def file_identity(path: str) -> Any:
+    """What names one file whatever path reaches it (symbolic or hard links): its
+    ``(device, inode)``, or its real path where it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return os.path.realpath(path)
+    return (st.st_dev, st.st_ino)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import operator
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,6 +41,7 @@ from ._ids import (
 )
 from ._paths import as_path
 from .stores import Store, empty_store
+from .stores._base import StoreRetired
 from .stores._base import gather_many as gather_stores
 from .stores._base import scatter_many as scatter_stores
 from .transfer import _engine, _kernels
@@ -86,6 +89,27 @@ def as_tensor_data(data: Any, what: str = "data") -> torch.Tensor:
     raise GadgetTypeError(
         f"{what} must be a torch tensor or a NumPy/CuPy array; got {type(data).__name__}"
     )
+
+
+def _on_current_store(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Make a :class:`DataGadget` call again on the table's new store where another
+    thread's ``load`` retired the store the call began on (see ``Store.retire``): the
+    call then reads or writes the table as loaded, as if it had come after the load."""
+
+    @functools.wraps(fn)
+    def call(self: DataGadget, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except StoreRetired:
+            pass
+        with _SWAP_LOCK:  # no load replaces the store while the call is made again
+            return fn(self, *args, **kwargs)
+
+    return call
+
+
+#: held while a table's store is replaced, and by a call made again after a replacement
+_SWAP_LOCK = threading.RLock()
 
 
 def _rows_of(sl: slice, n: int) -> range:
@@ -521,8 +545,9 @@ class DataGadget:
                 f"replacement store {store.shape} {store.dtype} does not match "
                 f"{old.shape} {old.dtype}"
             )
-        self._store = store
-        old.close()
+        with _SWAP_LOCK:
+            self._store = store
+            old.retire()
 
     # ---- construction helpers --------------------------------------------------------
     def _open_file(
@@ -686,6 +711,7 @@ class DataGadget:
         )
 
     # ---- rows in and out -----------------------------------------------------------------
+    @_on_current_store
     def getData(
         self,
         indexes: Any,
@@ -859,6 +885,7 @@ class DataGadget:
             dev = torch.device("cpu")
         return dev
 
+    @_on_current_store
     def insertData(self, dataObject: Any, indexes: Any, *, check_ids: bool = True) -> None:
         """Write rows: ``table[indexes[i]] = dataObject[i]``.
 
@@ -867,7 +894,9 @@ class DataGadget:
         the row of its **last** occurrence is written (on every placement). ``indexes``
         takes what :meth:`getData` takes; with a NumPy-style tuple (rows, then slices or
         ints into each row) the data has the indexed part's shape and only that part is
-        written (the rows are read, changed and written back).
+        written (the rows are read, changed and written back; on a ``file`` table under
+        the file's lock, so other threads' calls on that file wait rather than come in
+        between).
         ``check_ids=False`` skips the synchronising range check of CUDA ids (see
         :meth:`getData`); unchecked out-of-range ids are then skipped by the kernel.
         Checked CUDA ids written by the GPU kernels are checked alongside the write: the
@@ -884,15 +913,22 @@ class DataGadget:
         check_ids = bool(as_flag(check_ids, "check_ids"))
         self._check_no_waiting_lookup("insertData into this table")
         indexes, rest = self._split_index(indexes)
-        if rest:
-            # part of each row: read the rows, write the part, write the rows back
+        if not rest:
+            self._insert_rows(dataObject, indexes, check_ids)
+            return
+        # part of each row: read the rows, write the part, write the rows back, all under
+        # the store's lock (a file table's: no other call of that file comes in between)
+        with self._store.exclusive():
             ids_only = as_ids(indexes, len(self), None, check=True)
             rows = self.getData(ids_only, device=self._store.ids_device(self._device))
             lead = (slice(None),) * ids_only.dim()
             view = _apply_rest(rows, lead, rest, self.row_shape)
             part = self._part_data(dataObject, view)
             view[...] = part  # (a view of rows: basic indexing only, see _apply_rest)
-            dataObject, indexes = rows, ids_only
+            self._insert_rows(rows, ids_only, check_ids)
+
+    def _insert_rows(self, dataObject: Any, indexes: Any, check_ids: bool) -> None:
+        """:meth:`insertData` of whole rows."""
         data, ids, check_cuda = self._insert_args(dataObject, indexes, check_ids)
         if ids.numel() == 0:
             return
@@ -1119,6 +1155,7 @@ class DataGadget:
             raise GadgetTypeError(f"a {self.placement} table has no in-memory tensor view")
         return view
 
+    @_on_current_store
     def getNumpyVersion(self, copy: bool = True) -> np.ndarray:
         """The table as a NumPy array: a copy, unless ``copy=False`` on a host-resident
         (``cpu`` or ``pinned``) table that is not bfloat16; such a view, like
@@ -1175,6 +1212,7 @@ class DataGadget:
         return out if dtype is None or out.dtype == np.dtype(dtype) else out.astype(dtype)
 
     # ---- initialisers ------------------------------------------------------------------
+    @_on_current_store
     def init_(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> DataGadget:
         """Fill the table in place with any torch initializer, e.g.
         ``g.init_(torch.nn.init.xavier_uniform_)``. On ``pinned`` the GPU writes
@@ -1329,6 +1367,7 @@ class DataGadget:
         return self.init_(torch.Tensor.normal_, mean, std, generator=generator)
 
     # ---- files ---------------------------------------------------------------------------
+    @_on_current_store
     def save(
         self,
         path: str | os.PathLike[str],
@@ -1469,9 +1508,10 @@ class DataGadget:
                 f"{as_path(path)} holds {got}; this table belongs to an OffloadedEmbedding "
                 f"and must keep its {self.shape} {dtype_name(self.dtype)} (nothing was changed)",
             )
-        old, self._store = self._store, new
-        self._wrote()
-        old.close()
+        with _SWAP_LOCK:
+            old, self._store = self._store, new
+            self._wrote()
+            old.retire()
 
     def _load_in_place(
         self, path: str, dataset: str | None, fmt: str | None, progress: bool | None

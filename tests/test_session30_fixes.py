@@ -100,3 +100,134 @@ def test_word2vec_most_similar_lower_cases_and_names_unknown_words(small_corpus,
     assert all(w != "king" for w, _ in r.most_similar("King", 20))
     with pytest.raises(KeyError, match="'prince' is not in the vocabulary"):
         r.most_similar("Prince")
+
+
+# ---- file tables shared by threads --------------------------------------------------------------
+def _file_table(tmp_path, fmt: str, arr: np.ndarray, name: str = "t"):
+    if fmt == "npy":
+        path = tmp_path / f"{name}.npy"
+        np.save(path, arr)
+    elif fmt == "h5":
+        h5py = pytest.importorskip("h5py")
+        path = tmp_path / f"{name}.h5"
+        with h5py.File(path, "w") as f:
+            f.create_dataset("emb", data=arr, chunks=(4, arr.shape[1]))
+    else:
+        zarr = pytest.importorskip("zarr")
+        path = tmp_path / f"{name}.zarr"
+        z = zarr.create_array(str(path), shape=arr.shape, chunks=(4, arr.shape[1]), dtype=arr.dtype)
+        z[...] = arr
+    return path
+
+
+FORMATS = ["npy", "h5", "zarr"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shared", [True, False], ids=["one-table", "two-tables"])
+def test_a_part_of_rows_write_is_not_interleaved_with_another_threads(
+    tmp_path, fmt: str, shared: bool, monkeypatch
+) -> None:
+    """Thread A's write of columns 0-3 pauses between reading the rows and writing them
+    back; thread B writes columns 4-7 of the same rows meanwhile. B must wait for A (the
+    file's lock covers the read, change and write-back), so both parts survive."""
+    import threading
+
+    arr = np.zeros((12, 8), np.float32)
+    path = _file_table(tmp_path, fmt, arr)
+    a = gl.DataGadget(str(path), placement="file")
+    b = a if shared else gl.DataGadget(str(path), placement="file")
+    paused, b_done = threading.Event(), threading.Event()
+    orig = gl.DataGadget._insert_rows
+
+    def slow(self, data, ids, check_ids):
+        if threading.current_thread().name == "A":
+            paused.set()
+            b_done.wait(0.5)  # with the fix B cannot finish while A holds the lock
+        return orig(self, data, ids, check_ids)
+
+    monkeypatch.setattr(gl.DataGadget, "_insert_rows", slow)
+    ids = np.arange(0, 12, 2)
+
+    def write_a():
+        a.insertData(torch.full((6, 4), 1.0), (ids, slice(0, 4)))
+
+    def write_b():
+        paused.wait(5)
+        b.insertData(torch.full((6, 4), 2.0), (ids, slice(4, 8)))
+        b_done.set()
+
+    ta = threading.Thread(target=write_a, name="A")
+    tb = threading.Thread(target=write_b, name="B")
+    ta.start(), tb.start()
+    ta.join(10), tb.join(10)
+    want = arr.copy()
+    want[ids, :4], want[ids, 4:] = 1.0, 2.0
+    for g in {id(a): a, id(b): b}.values():
+        np.testing.assert_array_equal(g.getNumpyVersion(), want)
+    a.close(), b.close()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("call", ["getData", "insertData", "getNumpyVersion"])
+def test_a_call_overtaken_by_a_load_is_made_on_the_loaded_file(
+    tmp_path, fmt: str, call: str, monkeypatch
+) -> None:
+    """Another thread's load() replaces the table's store after a call began: the call is
+    made on the loaded file, not refused as if the table were closed."""
+    import threading
+
+    from gadgetloader.stores import FileStore
+
+    old_rows = np.zeros((12, 8), np.float32)
+    new_rows = np.arange(96, dtype=np.float32).reshape(12, 8)
+    old_path = _file_table(tmp_path, fmt, old_rows, "old")
+    new_path = _file_table(tmp_path, fmt, new_rows, "new")
+    g = gl.DataGadget(str(old_path), placement="file")
+    loads = []
+
+    def load_in_another_thread():
+        if not loads:
+            loads.append(1)
+            t = threading.Thread(target=g.load, args=(str(new_path),))
+            t.start()
+            t.join(10)
+
+    for name in ("gather", "scatter", "read_block"):
+        orig = getattr(FileStore, name)
+
+        def hooked(self, *args, _orig=orig, **kwargs):
+            load_in_another_thread()
+            return _orig(self, *args, **kwargs)
+
+        monkeypatch.setattr(FileStore, name, hooked)
+    ids = [1, 5, 5, 9]
+    if call == "getData":
+        np.testing.assert_array_equal(g.getData(ids).numpy(), new_rows[ids])
+    elif call == "getNumpyVersion":
+        np.testing.assert_array_equal(g.getNumpyVersion(), new_rows)
+    else:
+        g.insertData(torch.full((4, 8), -1.0), ids)
+        want = new_rows.copy()
+        want[ids] = -1.0
+        np.testing.assert_array_equal(g.getNumpyVersion(), want)
+    assert loads == [1]
+    g.close()
+
+
+@pytest.mark.parametrize("fmt", ["npy", "h5"])
+def test_tables_of_one_file_through_a_hard_link_write_and_see_each_other(tmp_path, fmt) -> None:
+    import os
+
+    arr = np.zeros((12, 8), np.float32)
+    path = _file_table(tmp_path, fmt, arr)
+    alt = tmp_path / f"alt.{fmt}"
+    os.link(path, alt)
+    a = gl.DataGadget(str(path), placement="file")
+    b = gl.DataGadget(str(alt), placement="file")
+    b.getData([0, 1])  # b caches the first block
+    a.insertData(torch.ones(2, 8), [0, 1])
+    np.testing.assert_array_equal(b.getData([0, 1]).numpy(), np.ones((2, 8)))  # not stale
+    b.insertData(torch.full((1, 8), 3.0), [2])
+    np.testing.assert_array_equal(a.getData([2]).numpy(), np.full((1, 8), 3.0))
+    a.close(), b.close()

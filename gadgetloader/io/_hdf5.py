@@ -40,6 +40,7 @@ from .._errors import (
     MissingDependencyError,
     ReadOnlyError,
 )
+from .._paths import file_identity
 from ._atomic import remove_path, replace_atomically, temp_path_beside
 from ._base import ArraySink, ArraySource
 from ._chunks import (
@@ -157,7 +158,7 @@ def _release_readers(writer: Hdf5Source) -> bool:
     (each under its own lock; they reopen on their next read). Returns whether any did.
     Sources that reach the file through an external link count: HDF5 keeps a linked file
     open read-only for as long as the linking file's handle holds its dataset."""
-    pid, here = os.getpid(), os.path.realpath(writer.path)
+    pid, here = os.getpid(), file_identity(writer.path)
     released = False
     for src in list(_OPEN):
         if (
@@ -166,7 +167,7 @@ def _release_readers(writer: Hdf5Source) -> bool:
             or src._file is None
             or src._pid != pid
             # (a source reached through an external link holds the linked file open too)
-            or here not in {os.path.realpath(w) for w in getattr(src, "watch_paths", (src.path,))}
+            or here not in {file_identity(w) for w in getattr(src, "watch_paths", (src.path,))}
         ):
             continue
         lock = src._guard()
@@ -517,8 +518,11 @@ class Hdf5Source(ArraySource):
                 #: spellings of one dataset share caches and locks
                 info = h5py.h5o.get_info(obj.id)
                 addr = getattr(info, "addr", None)
+                #: (the file by inode: a hard link reaches the same dataset)
                 self.identity: tuple[Any, ...] = (
-                    ("hdf5", home, addr) if addr is not None else ("hdf5", home, obj.name)
+                    "hdf5",
+                    file_identity(home),
+                    addr if addr is not None else obj.name,
                 )
                 where = f"{self.path}[{self.dataset!r}]"
                 self.dtype = table_dtype(

@@ -17,6 +17,7 @@ by the row kernels, whose check may finish after it (``DataGadget.getData``).
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar, NoReturn
@@ -29,6 +30,11 @@ from ..transfer import _engine
 from ..transfer._engine import shares_memory
 
 __all__ = ["FusedRows", "Store", "gather_many", "scatter_many"]
+
+
+class StoreRetired(GadgetClosedError):
+    """A call reached a store that a load replaced meanwhile (see :meth:`Store.retire`);
+    the table makes the call again on its new store."""
 
 
 class Store(abc.ABC):
@@ -99,8 +105,29 @@ class Store(abc.ABC):
             self._closed = True
             self._release()
 
+    def exclusive(self) -> Any:
+        """A context in which this thread's calls on the store are not interleaved with
+        other threads' (a read, change and write-back of part of rows). In-memory stores
+        take no locks: a null context. A file store holds its file's lock."""
+        return contextlib.nullcontext()
+
+    #: set by :meth:`retire`: the table this store served has another store now
+    _retired = False
+
+    def retire(self) -> None:
+        """Close this store because its table has a new one (``DataGadget.load``): a call
+        that another thread began on it and that reaches it after this raises
+        :class:`StoreRetired`, which the table answers by making the call again on its
+        new store."""
+        self._retired = True
+        self.close()
+
     def check_open(self) -> None:
         if self._closed:
+            if self._retired:
+                raise StoreRetired(
+                    f"this {self.placement} table was reloaded by another thread during this call"
+                )
             raise GadgetClosedError(f"this {self.placement} store is closed")
 
     def check_writable(self) -> None:
@@ -270,6 +297,7 @@ class Store(abc.ABC):
 
     def _closed_meanwhile(self) -> NoReturn:
         """A view came back empty after the open check: another thread closed the table."""
+        self.check_open()  # a store retired by a load says so
         raise GadgetClosedError(f"this {self.placement} table was closed by another thread")
 
     def gpu_view_in_use(self) -> torch.Tensor | None:

@@ -34,7 +34,7 @@ from .._device import pinned_empty
 from .._dtypes import dtype_name, numpy_dtype
 from .._errors import GadgetFileError, GadgetTypeError, GadgetValueError, ReadOnlyError
 from .._ids import last_writer
-from .._paths import as_path
+from .._paths import as_path, file_identity
 from ..io import open_source
 from ..io._base import ArraySource
 from ._base import Store
@@ -159,7 +159,9 @@ class FileStore(Store):
     zarr file at a time (HDF5 enforces this with its file lock). A failure part-way (a
     full disk) can leave earlier blocks of that call written.
 
-    Threads may share a store: every read and write holds a lock per file. Every
+    Threads may share a store: every read and write holds a lock per file (one lock
+    for the file under every name, hard links included; :meth:`exclusive` holds it
+    across several calls). Every
     call also checks that the file is still the one the store opened: a file replaced
     on disk (another ``save``, or any program that writes a new file and renames it over
     the name), deleted, a .npy or HDF5 file truncated (or rewritten in place) below its
@@ -237,7 +239,7 @@ class FileStore(Store):
         #: what the file lock and cache invalidation are keyed by: the array itself (a
         #: source's ``identity``: one HDF5 dataset or zarr array under any name)
         self._key = getattr(source, "identity", None) or (
-            os.path.realpath(self._path),
+            file_identity(self._path),  # (by inode: also through a hard link)
             self._dataset,
         )
         #: the paths whose files (or folders) must stay the ones opened: a zarr array's
@@ -268,6 +270,11 @@ class FileStore(Store):
         fin.atexit = False
         with _LOCKS_GUARD:
             _OPEN.setdefault(self._key, weakref.WeakSet()).add(self)
+
+    def exclusive(self) -> Any:
+        """The file's lock: this thread's calls on any table of the file run, other
+        threads' wait (a re-entrant lock: the calls made inside take it again)."""
+        return _file_lock(self._key)
 
     @contextlib.contextmanager
     def _guard(self) -> Any:
