@@ -16,6 +16,16 @@ import torch.nn.functional as F  # noqa: N812 (the torch idiom)
 
 import gadgetloader as gl
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _hide_cuda():
+    """These tests check the behaviour on a machine without CUDA: on a GPU machine the
+    library is made to see none (its defaults there differ: pinned tables, CUDA output)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        yield
+
+
 N, D = 12, 4
 
 

@@ -31,6 +31,16 @@ import torch
 
 import gadgetloader as gl
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _hide_cuda():
+    """These tests check the behaviour on a machine without CUDA: on a GPU machine the
+    library is made to see none (its defaults there differ: pinned tables, CUDA output)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        yield
+
+
 h5py = pytest.importorskip("h5py")
 zarr = pytest.importorskip("zarr")
 

@@ -29,6 +29,16 @@ import torch
 import gadgetloader as gl
 from datasets import word2vec as w2v
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _hide_cuda():
+    """These tests check the behaviour on a machine without CUDA: on a GPU machine the
+    library is made to see none (its defaults there differ: pinned tables, CUDA output)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        yield
+
+
 REPO = Path(__file__).resolve().parents[1]
 GROUPS = [
     ["king", "queen", "royal", "crown"],
@@ -67,6 +77,7 @@ def _env() -> dict:
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("PYTHONWARNINGS", None)
     env["OMP_NUM_THREADS"] = "1"  # tiny tables; keeps the parallel runs from oversubscribing
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the runs check the behaviour without a GPU
     return env
 
 

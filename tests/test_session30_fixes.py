@@ -13,6 +13,15 @@ import torch
 import gadgetloader as gl
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _hide_cuda():
+    """These tests check the behaviour on a machine without CUDA: on a GPU machine the
+    library is made to see none (its defaults there differ: pinned tables, CUDA output)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        yield
+
+
 @pytest.mark.parametrize(
     ("ids", "bad"),
     [
@@ -67,12 +76,7 @@ def small_corpus(tmp_path):
     return path
 
 
-@pytest.fixture
-def no_cuda(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-
-def test_word2vec_default_placement_is_silent_without_cuda(small_corpus, no_cuda, capsys) -> None:
+def test_word2vec_default_placement_is_silent_without_cuda(small_corpus, capsys) -> None:
     import warnings
 
     from datasets import word2vec
@@ -85,14 +89,14 @@ def test_word2vec_default_placement_is_silent_without_cuda(small_corpus, no_cuda
     assert "vocabulary" in out.out and "Warning" not in out.err
 
 
-def test_word2vec_pinned_by_name_still_warns_without_cuda(small_corpus, no_cuda) -> None:
+def test_word2vec_pinned_by_name_still_warns_without_cuda(small_corpus) -> None:
     from datasets import word2vec
 
     with pytest.warns(gl.FallbackWarning):
         word2vec.train(small_corpus, dim=8, batch_size=64, placement="pinned", progress=False)
 
 
-def test_word2vec_most_similar_lower_cases_and_names_unknown_words(small_corpus, no_cuda) -> None:
+def test_word2vec_most_similar_lower_cases_and_names_unknown_words(small_corpus) -> None:
     from datasets import word2vec
 
     r = word2vec.train(small_corpus, dim=8, batch_size=64, progress=False)
