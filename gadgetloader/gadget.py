@@ -920,7 +920,12 @@ class DataGadget:
         # the store's lock (a file table's: no other call of that file comes in between)
         with self._store.exclusive():
             ids_only = as_ids(indexes, len(self), None, check=True)
-            rows = self.getData(ids_only, device=self._store.ids_device(self._device))
+            # (getData without its retry: a store a load retired meanwhile raises out of
+            # this block, releasing the lock, and insertData's own retry makes the call
+            # again; a retry waiting for the swap lock while holding the file's could
+            # deadlock with another thread's retry that waits for the file's)
+            get_rows = DataGadget.getData.__wrapped__  # type: ignore[attr-defined]
+            rows = get_rows(self, ids_only, device=self._store.ids_device(self._device))
             lead = (slice(None),) * ids_only.dim()
             view = _apply_rest(rows, lead, rest, self.row_shape)
             part = self._part_data(dataObject, view)
