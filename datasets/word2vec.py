@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -35,6 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import gadgetloader as gl
+from gadgetloader.bench._common import learning_rate
 
 __all__ = ["SkipGram", "Vocab", "Word2VecResult", "build_vocab", "main", "skipgram_pairs", "train"]
 
@@ -285,16 +285,6 @@ def _count(low: int, high: int = 2**63 - 1) -> Any:
     return parse
 
 
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text}")
-    return value
-
-
 class _OneLineErrors(argparse.ArgumentParser):
     """Errors are one line (``--help`` shows the usage), exit status 2."""
 
@@ -314,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--lr",
-        type=_rate,
+        type=learning_rate,
         default=0.01,
         help="Adam's learning rate (default 0.01; small corpora want several --epochs)",
     )

@@ -17,6 +17,7 @@ __all__ = [
     "measure_memcpy",
     "non_negative_int",
     "positive_float",
+    "learning_rate",
     "non_negative_finite_float",
     "positive_finite_float",
     "positive_int",
@@ -113,6 +114,24 @@ def positive_finite_float(text: str) -> float:
     value = finite_float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a number above 0, got {text}")
+    return value
+
+
+#: The largest learning rate the CLIs take: Adam's first float32 step is ``lr / (1 - beta1)``
+#: (ten times ``lr``), which overflows float32 (3.4e38) a little above 3e37.
+MAX_LEARNING_RATE = 1e30
+
+
+def learning_rate(text: str) -> float:
+    """An argparse type: a learning rate above 0 and at most :data:`MAX_LEARNING_RATE`."""
+    import argparse
+
+    value = positive_finite_float(text)
+    if value > MAX_LEARNING_RATE:
+        raise argparse.ArgumentTypeError(
+            "expected a learning rate of at most 1e30 (float32 optimizer "
+            f"steps overflow beyond), got {text}"
+        )
     return value
 
 

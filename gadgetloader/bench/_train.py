@@ -44,10 +44,10 @@ from .._errors import FallbackWarning, GadgetValueError
 from ._common import (
     comma_list,
     format_table,
+    learning_rate,
     measure_memcpy,
     non_negative_finite_float,
     non_negative_int,
-    positive_finite_float,
     positive_int,
     seed_int,
 )
@@ -86,7 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--repeats", type=positive_int, default=3, help="timed repeats; the median is reported"
     )
-    p.add_argument("--lr", type=positive_finite_float, default=1e-3)
+    p.add_argument(
+        "--lr", type=learning_rate, default=1e-3, help="Adam's learning rate (default 0.001)"
+    )
     p.add_argument(
         "--zipf",
         type=non_negative_finite_float,
