@@ -1198,8 +1198,8 @@ class DataGadget:
 
         A copy unless NumPy asks for none (``np.asarray(gadget, copy=False)``, NumPy 2), which
         a host-resident table of a NumPy dtype gives as a view (valid until :meth:`close`
-        or :meth:`load`); for any other table that request raises ``ValueError``, as
-        NumPy's protocol asks.
+        or :meth:`load`); for any other table that request raises
+        :class:`~gadgetloader.GadgetValueError` (a ``ValueError``, as NumPy's protocol asks).
         """
         if copy is False:
             self._store.check_open()
@@ -1208,7 +1208,7 @@ class DataGadget:
                 or self.dtype == torch.bfloat16
                 or (dtype is not None and np.dtype(dtype) != numpy_dtype(self.dtype))
             ):
-                raise ValueError(
+                raise GadgetValueError(
                     f"this {self.placement!r} table of {dtype_name(self.dtype)} cannot be viewed "
                     "as a NumPy array without a copy; drop copy=False"
                 )

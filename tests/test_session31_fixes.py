@@ -2,7 +2,10 @@
 
 * ``--lr`` of ``gadgetloader bench train`` and of the word2vec example refuses a learning
   rate above 1e30 (Adam's first float32 step, ten times ``lr``, overflows a little above
-  3e37 and used to end in a traceback) with a one-line error naming ``--lr``.
+  3e37 and used to end in a traceback) with a one-line error naming ``--lr``;
+* (documented) an empty lookup counts a step for its table, as ``SparseAdam`` counts one;
+  the optimizer's own ``load_state_dict`` is taken while a lookup waits for its step, the
+  module's is refused.
 """
 
 from __future__ import annotations
@@ -74,3 +77,98 @@ def test_a_learning_rate_that_overflows_is_a_one_line_error(args: list[str], tmp
     lines = p.stderr.strip().splitlines()
     assert "Traceback" not in p.stderr
     assert "--lr" in lines[-1] and "at most 1e30" in lines[-1] and "1e38" in lines[-1]
+
+
+# ---- documented in session 31: empty lookups, the optimizer's load_state_dict -----------
+@pytest.fixture()
+def _no_cuda():
+    import torch
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        yield
+
+
+@pytest.mark.usefixtures("_no_cuda")
+def test_an_empty_lookup_counts_a_step_as_sparse_adam_does_and_changes_no_row() -> None:
+    import torch
+
+    import gadgetloader as gl
+
+    torch.manual_seed(0)
+    emb = gl.OffloadedEmbedding(6, 2, placement="cpu", device="cpu")
+    before = emb.weight.getData(range(6)).clone()
+    opt = gl.OffloadedOptimizer(torch.optim.Adam, emb, lr=0.1)
+    ref = torch.nn.Embedding(6, 2, sparse=True)
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        emb(torch.zeros(0, dtype=torch.long)).sum().backward()
+        opt.step()
+        ref(torch.zeros(0, dtype=torch.long)).sum().backward()
+        ref_opt.step()
+    steps = {k: float(v["step"]) for k, v in opt.state_dict()["inner"]["state"].items()}
+    assert steps == {0: float(next(iter(ref_opt.state.values()))["step"])} == {0: 2.0}
+    torch.testing.assert_close(emb.weight.getData(range(6)), before, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("_no_cuda")
+def test_the_optimizers_load_state_dict_is_taken_while_a_lookup_waits() -> None:
+    import torch
+
+    import gadgetloader as gl
+
+    def build():
+        torch.manual_seed(0)
+        e = gl.OffloadedEmbedding(6, 2, placement="cpu", device="cpu")
+        return e, gl.OffloadedOptimizer(torch.optim.Adam, e, lr=0.1)
+
+    ids = torch.tensor([1, 2, 2])
+    emb, opt = build()
+    emb(ids).square().sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    emb(ids).square().sum().backward()  # waits for its step
+    rows = emb.weight.getData(range(6)).clone()
+    opt.load_state_dict(saved)  # optimizer state only: taken
+    opt.step()
+    # reference: the same two steps without the load (the loaded state is the state there)
+    ref, ref_opt = build()
+    ref(ids).square().sum().backward()
+    ref_opt.step()
+    ref(ids).square().sum().backward()
+    torch.testing.assert_close(ref.weight.getData(range(6)), rows, rtol=0, atol=0)
+    ref_opt.step()
+    after = emb.weight.getData(range(6)).clone()
+    torch.testing.assert_close(after, ref.weight.getData(range(6)), rtol=0, atol=0)
+    assert not torch.equal(after, rows)
+    with pytest.raises(RuntimeError, match="waits for step"):
+        emb(ids).sum().backward()
+        emb.load_state_dict({"weight": torch.zeros(6, 2)})
+    torch.testing.assert_close(emb.weight.getData(range(6)), after, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("_no_cuda")
+@pytest.mark.parametrize("kind", ["bf16", "file", "dtype"])
+def test_array_protocol_without_copy_raises_gadget_value_error(kind: str, tmp_path) -> None:
+    import numpy as np
+    import torch
+
+    import gadgetloader as gl
+
+    if kind == "bf16":
+        g = gl.DataGadget(torch.arange(6.0).view(3, 2).bfloat16(), placement="cpu")
+        dtype = None
+    elif kind == "file":
+        np.save(tmp_path / "t.npy", np.arange(6, dtype=np.float32).reshape(3, 2))
+        g = gl.DataGadget(tmp_path / "t.npy", placement="file")
+        dtype = None
+    else:
+        g = gl.DataGadget(torch.arange(6.0).view(3, 2), placement="cpu")
+        dtype = np.float64
+    before = g.getNumpyVersion().copy()
+    with pytest.raises(gl.GadgetValueError, match="without a copy; drop copy=False"):
+        np.asarray(g, dtype=dtype, copy=False)
+    with pytest.raises(ValueError, match="cannot be viewed"):  # NumPy's protocol: ValueError
+        g.__array__(dtype, copy=False)
+    np.testing.assert_array_equal(g.getNumpyVersion(), before)
+    g.close()

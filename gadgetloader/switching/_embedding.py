@@ -1135,8 +1135,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     reaches a lookup after a ``step()`` that read it (any number of steps later) raises
     :class:`~gadgetloader.GadgetValueError` at the next ``step()`` (it is not applied),
     unless ``zero_grad()`` discards it first, as torch's would. Loading the table's rows
-    (``load_state_dict``, ``load_checkpoint``) while a lookup with a gradient waits for
-    its step is refused: the step would write the rows it read over the load.
+    (the embedding module's ``load_state_dict``, ``load_checkpoint``) while a lookup with a
+    gradient waits for its step is refused: the step would write the rows it read over the
+    load. This optimizer's own ``load_state_dict`` loads optimizer state only and is taken
+    then (the next step starts from the loaded state). An empty lookup (no ids) with a
+    backward counts as a lookup: its table's step count moves at the next step, as
+    ``SparseAdam``'s does for an empty sparse gradient; no row changes.
     Fused SGD with momentum gives ordinary parameters a zero momentum buffer before
     their first step (exactly torch's first step when ``dampening`` is 0; refused
     otherwise), because torch's fused SGD needs buffers for all parameters or none.
