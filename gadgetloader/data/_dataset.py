@@ -428,7 +428,8 @@ class GadgetDataset(Dataset[Any]):
         """``ds[i]`` -> a tuple of one row per column; ``ds[ids]`` (list, array, tensor,
         range, slice) -> a :class:`GadgetBatch` of batched columns.
 
-        A single int and a slice follow Python (``ds[-1]`` is the last row, ``ds[-3:]``
+        A single int (also a NumPy integer scalar such as ``np.int64(3)``) and a slice
+        follow Python (``ds[-1]`` is the last row, ``ds[-3:]``
         the last three); ids in a list, array or tensor must lie in ``[0, len(ds))``
         (a negative one raises :class:`~gadgetloader.GadgetIndexError`). A 0-d tensor
         or array is an id, not an int: it gives a :class:`GadgetBatch` of one row per
