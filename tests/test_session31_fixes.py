@@ -172,3 +172,25 @@ def test_array_protocol_without_copy_raises_gadget_value_error(kind: str, tmp_pa
         g.__array__(dtype, copy=False)
     np.testing.assert_array_equal(g.getNumpyVersion(), before)
     g.close()
+
+
+@pytest.mark.usefixtures("_no_cuda")
+@pytest.mark.parametrize("bad", [[1], None, "sd", 3])
+def test_optimizer_load_state_dict_of_a_non_dict_is_a_type_error(bad) -> None:
+    import torch
+
+    import gadgetloader as gl
+
+    emb = gl.OffloadedEmbedding(6, 2, placement="cpu", device="cpu")
+    opt = gl.OffloadedOptimizer(torch.optim.Adam, emb, lr=0.1)
+    emb(torch.tensor([1, 4])).sum().backward()
+    opt.step()
+    before = opt.state_dict()
+    rows = emb.weight.getData(range(6)).clone()
+    with pytest.raises(gl.GadgetTypeError, match=f"a dict.*got {type(bad).__name__}"):
+        opt.load_state_dict(bad)
+    with pytest.raises(gl.GadgetValueError, match=r"got keys \[1, 'a'\]"):
+        opt.load_state_dict({"a": 1, 1: 2})
+    after = opt.state_dict()
+    torch.testing.assert_close(after["tables"], before["tables"], rtol=0, atol=0)
+    torch.testing.assert_close(emb.weight.getData(range(6)), rows, rtol=0, atol=0)

@@ -130,8 +130,9 @@ class GadgetDataset(Dataset[Any]):
     Parameters
     ----------
     *columns : DataGadget, str, path, numpy.ndarray or torch.Tensor
-        One or more tables with the same number of rows. Arrays, tensors and file
-        paths are loaded into a new :class:`~gadgetloader.DataGadget` (see
+        One or more tables with the same number of rows, at least one (a dataset of
+        zero rows is refused with :class:`~gadgetloader.GadgetValueError`, though a
+        table may have none). Arrays, tensors and file paths are loaded into a new :class:`~gadgetloader.DataGadget` (see
         ``placement``); DataGadgets are used as they are. 1-D columns (labels)
         give one value per row.
     device : str or torch.device, optional

@@ -70,9 +70,11 @@ class GadgetLoader:
         ``sampler=`` giving any of them, even at its default value, is an error.
     **dataloader_kwargs
         Passed to ``torch.utils.data.DataLoader`` (e.g. ``persistent_workers``,
-        ``multiprocessing_context``). The loader sets ``shuffle``, ``sampler``,
-        ``batch_sampler``, ``drop_last`` and ``collate_fn`` itself: giving any of them
-        here is a ``GadgetTypeError`` (use ``order=``, ``drop_last=`` or ``sampler=``).
+        ``multiprocessing_context``). The loader sets DataLoader's ``shuffle``,
+        ``batch_sampler`` and ``collate_fn`` itself: giving any of them here is a
+        ``GadgetTypeError`` (use ``order=`` or ``sampler=``). ``sampler`` and
+        ``drop_last`` are this loader's own parameters (a ``GadgetSampler``, and the
+        sampler option above), not DataLoader's.
 
     Notes
     -----

@@ -1472,14 +1472,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             post_hook(self)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if (
-            not isinstance(state_dict, dict)
-            or not {"inner", "tables"}
-            <= set(state_dict)
-            <= {"inner", "tables", "optimizer", "optimizer_base"}
-            or len(state_dict["tables"]) != len(self.pagers)
-        ):
-            keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+        if not isinstance(state_dict, dict):
+            raise GadgetTypeError(
+                f"expected an OffloadedOptimizer state_dict (a dict) for {len(self.pagers)} "
+                f"offloaded tables; got {type(state_dict).__name__}"
+            )
+        if not {"inner", "tables"} <= set(state_dict) <= {
+            "inner",
+            "tables",
+            "optimizer",
+            "optimizer_base",
+        } or len(state_dict["tables"]) != len(self.pagers):
+            keys = sorted(state_dict, key=str)
             raise GadgetValueError(
                 f"expected an OffloadedOptimizer state_dict for {len(self.pagers)} offloaded tables; "
                 f"got keys {keys}"
