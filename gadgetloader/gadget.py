@@ -1392,7 +1392,10 @@ class DataGadget:
         default); ``compression_level`` (gzip and blosc 0-9, zstd -131072 to 22). A save
         replaces what is at ``path`` as a whole (an HDF5 file with all its datasets, a
         zarr group with all its arrays); a directory (.npy, HDF5) or anything but a zarr
-        store (zarr) at ``path`` is refused.
+        store (zarr) at ``path`` is refused. Without ``dataset=`` an HDF5 file gets one
+        dataset named ``"data"`` and a zarr store is one bare array (no group), so either
+        reopens without ``dataset=``; a ``file`` table saved over its own file keeps its
+        dataset's name (it reads that file on).
 
         Raises
         ------

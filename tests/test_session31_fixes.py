@@ -194,3 +194,87 @@ def test_optimizer_load_state_dict_of_a_non_dict_is_a_type_error(bad) -> None:
     after = opt.state_dict()
     torch.testing.assert_close(after["tables"], before["tables"], rtol=0, atol=0)
     torch.testing.assert_close(emb.weight.getData(range(6)), rows, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("_no_cuda")
+@pytest.mark.parametrize("stage", ["write", "create"])
+def test_a_zarr_save_that_fails_for_want_of_space_is_a_gadget_file_error(
+    stage: str, tmp_path, monkeypatch
+) -> None:
+    """As .npy and HDF5 saves say it: ``cannot save PATH: cannot ...``; old store kept."""
+    import errno
+
+    import numpy as np
+    import torch
+    import zarr
+
+    import gadgetloader as gl
+
+    target = tmp_path / "t.zarr"
+    old = np.arange(12, dtype=np.float32).reshape(4, 3)
+    gl.DataGadget(torch.from_numpy(old.copy()), placement="cpu").save(target)
+    g = gl.DataGadget(torch.full((6, 3), 5.0), placement="cpu")
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if stage == "write":
+        monkeypatch.setattr(zarr.Array, "__setitem__", no_space)
+        what = "cannot write rows 0:6"
+    else:
+        monkeypatch.setattr(zarr, "create_array", no_space)
+        what = "cannot create the store"
+    with pytest.raises(gl.GadgetFileError, match=f"cannot save .*t.zarr: {what}") as info:
+        g.save(target)
+    assert isinstance(info.value, OSError) and "No space left" in str(info.value)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(gl.DataGadget(target, placement="cpu").getNumpyVersion(), old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.zarr"]  # no partial store left
+
+
+@pytest.mark.usefixtures("_no_cuda")
+@pytest.mark.parametrize("placement", ["cpu", "file"])
+def test_an_hdf5_file_of_dangling_external_links_names_them(placement: str, tmp_path) -> None:
+    h5py = pytest.importorskip("h5py")
+
+    import gadgetloader as gl
+
+    path = tmp_path / "links.h5"
+    with h5py.File(path, "w") as f:
+        f["e"] = h5py.ExternalLink(str(tmp_path / "missing.h5"), "x")
+    with pytest.raises(gl.GadgetFileError, match=r"no datasets it can open.*'e'.*missing\.h5:x"):
+        gl.DataGadget(path, placement=placement)
+    with h5py.File(tmp_path / "empty.h5", "w"):
+        pass
+    with pytest.raises(gl.GadgetKeyError, match="holds no datasets"):
+        gl.DataGadget(tmp_path / "empty.h5", placement=placement)
+
+
+@pytest.mark.usefixtures("_no_cuda")
+def test_default_dataset_names_of_a_save(tmp_path) -> None:
+    h5py = pytest.importorskip("h5py")
+    zarr = pytest.importorskip("zarr")
+    import numpy as np
+    import torch
+
+    import gadgetloader as gl
+
+    rows = np.arange(8, dtype=np.float32).reshape(4, 2)
+    g = gl.DataGadget(torch.from_numpy(rows.copy()), placement="cpu")
+    g.save(tmp_path / "a.h5")
+    g.save(tmp_path / "a.zarr")
+    with h5py.File(tmp_path / "a.h5") as f:
+        assert list(f) == ["data"]
+    assert isinstance(zarr.open(tmp_path / "a.zarr", mode="r"), zarr.Array)  # no group
+    # a file table saved over its own file keeps its dataset's name; elsewhere: "data"
+    with h5py.File(tmp_path / "b.h5", "w") as f:
+        f.create_dataset("grp/emb", data=rows)
+    t = gl.DataGadget(tmp_path / "b.h5", placement="file")
+    t.save(tmp_path / "b.h5")
+    t.save(tmp_path / "c.h5")
+    with h5py.File(tmp_path / "b.h5") as f:
+        np.testing.assert_array_equal(f["grp/emb"][...], rows)
+    with h5py.File(tmp_path / "c.h5") as f:
+        assert list(f) == ["data"]
+    np.testing.assert_array_equal(t.getNumpyVersion(), rows)
+    t.close()

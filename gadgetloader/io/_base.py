@@ -35,7 +35,8 @@ class SourceShape(tuple):  # type: ignore[type-arg]
 
 
 class ArraySource(abc.ABC):
-    """A 2-or-more-D array in a file, read in blocks of whole rows.
+    """An array of one or more dimensions in a file (rows along the first), read in blocks of
+    whole rows.
 
     Attributes
     ----------

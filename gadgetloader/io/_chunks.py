@@ -11,10 +11,11 @@ sequential save is written exactly once, whole.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import torch
 
 from .._dtypes import as_torch_dtype
 from .._errors import (
+    GadgetError,
     GadgetFileError,
     GadgetFileNotFoundError,
     GadgetKeyError,
@@ -457,3 +459,19 @@ def for_each_chunk(
     futures = [pool.submit(task) for _ in range(min(workers, -(-n // step)))]
     for f in futures:
         f.result()
+
+
+@contextlib.contextmanager
+def save_errors(
+    path: object, what: str, also: tuple[type[BaseException], ...] = ()
+) -> Iterator[None]:
+    """A sink's failure while it writes its partial file (a full disk, a file size limit:
+    an ``OSError``, or one of ``also``) as a :class:`GadgetFileError` naming the target,
+    ``"cannot save PATH: cannot WHAT (...)"``; the library's own errors pass as they are."""
+    caught: tuple[type[BaseException], ...] = (OSError, *also)
+    try:
+        yield
+    except GadgetError:
+        raise
+    except caught as exc:
+        raise GadgetFileError(f"cannot save {path}: cannot {what} ({exc})") from exc

@@ -53,6 +53,7 @@ from ._chunks import (
     check_sink_target,
     default_chunk_rows,
     for_each_chunk,
+    save_errors,
     table_dtype,
     unsigned_carrier,
 )
@@ -298,6 +299,19 @@ def _dangling_link(f: Any, h5py: ModuleType, name: str) -> str | None:
     return None
 
 
+def _dangling_links(f: Any, h5py: ModuleType) -> dict[str, str]:
+    """The external links at the top of ``f`` whose target cannot be opened, by name."""
+    out = {}
+    for name in f:
+        try:
+            f[name]
+        except (KeyError, OSError):
+            target = _dangling_link(f, h5py, name)
+            if target is not None:
+                out[name] = target
+    return out
+
+
 def _resolve_row_file(name: str, home: str, env: str, beside_home: bool) -> list[str]:
     """Where HDF5 looks for a file a dataset's rows live in, in its order: under the
     prefix in the environment variable ``env``, then (a virtual dataset's sources only)
@@ -467,6 +481,12 @@ class Hdf5Source(ArraySource):
                 if dataset is None:
                     assert names is not None
                     if not names:
+                        broken = _dangling_links(f, h5py)
+                        if broken:
+                            raise GadgetFileError(
+                                f"{self.path} holds no datasets it can open: its external "
+                                f"links {broken} cannot be opened (is that file missing?)"
+                            )
                         raise GadgetKeyError(
                             f"{self.path} holds no datasets: there is no table in it to open"
                         )
@@ -1316,20 +1336,10 @@ class Hdf5Sink(ArraySink):
 
     def _write_raw(self, start: int, rows: np.ndarray) -> None:
         stop = start + rows.shape[0]
-        with self._errors(f"write rows {start}:{stop}"):
+        with save_errors(self.path, f"write rows {start}:{stop}", also=(RuntimeError,)):
             self._ds.write_direct(
                 np.ascontiguousarray(rows), np.s_[0 : stop - start], np.s_[start:stop]
             )
-
-    @contextlib.contextmanager
-    def _errors(self, what: str) -> Any:
-        """h5py's write errors (OSError; RuntimeError from a flush) as GadgetFileError."""
-        try:
-            yield
-        except (OSError, RuntimeError) as exc:
-            if isinstance(exc, GadgetFileError):
-                raise
-            raise GadgetFileError(f"cannot save {self.path}: cannot {what} ({exc})") from exc
 
     def write(self, start: int, rows: np.ndarray) -> None:
         self._accept(start, rows)
@@ -1338,7 +1348,7 @@ class Hdf5Sink(ArraySink):
     def commit(self) -> None:
         self._require_complete()
         self._aligner.flush()
-        with self._errors("flush the file"):
+        with save_errors(self.path, "flush the file", also=(RuntimeError,)):
             self._f.flush()
             self._f.close()
         self._f = None

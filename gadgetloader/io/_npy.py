@@ -9,14 +9,13 @@ import os
 import tokenize
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
 from .._dtypes import as_torch_dtype, dtype_name, numpy_dtype
 from .._errors import (
-    GadgetError,
     GadgetFileError,
     GadgetFileNotFoundError,
     GadgetTypeError,
@@ -25,10 +24,7 @@ from .._errors import (
 )
 from ._atomic import remove_path, replace_atomically, temp_path_beside
 from ._base import ArraySink, ArraySource
-from ._chunks import check_free_space, check_sink_target, unsigned_carrier
-
-if TYPE_CHECKING:
-    from collections.abc import Iterator
+from ._chunks import check_free_space, check_sink_target, save_errors, unsigned_carrier
 
 __all__ = ["NpySink", "NpySource", "is_npy"]
 
@@ -240,7 +236,7 @@ class NpySink(ArraySink):
             "shape": self.shape,
         }
         try:
-            with self._os_errors("write the header"):
+            with save_errors(self.path, "write the header"):
                 try:
                     np.lib.format.write_array_header_1_0(self._f, header)
                 except ValueError:
@@ -251,22 +247,11 @@ class NpySink(ArraySink):
             raise
         self._row_nbytes = math.prod(self.shape[1:]) * self._npd.itemsize
 
-    @contextlib.contextmanager
-    def _os_errors(self, what: str) -> Iterator[None]:
-        """An OSError of the partial file (a full disk, a file size limit, ...) as a
-        :class:`GadgetFileError` that names the target, as HDF5's sink says it."""
-        try:
-            yield
-        except GadgetError:
-            raise
-        except OSError as exc:
-            raise GadgetFileError(f"cannot save {self.path}: cannot {what} ({exc})") from exc
-
     def write(self, start: int, rows: np.ndarray) -> None:
         assert self._f is not None
         self._accept(start, rows)
         block = np.ascontiguousarray(rows, dtype=self._npd)  # (another dtype: converted)
-        with self._os_errors(f"write rows {start}:{start + block.shape[0]}"):
+        with save_errors(self.path, f"write rows {start}:{start + block.shape[0]}"):
             self._f.seek(self._offset + start * self._row_nbytes)
             self._f.write(block.reshape(-1).view(np.uint8).data)
 
@@ -274,7 +259,7 @@ class NpySink(ArraySink):
         assert self._f is not None
         self._require_complete()
         total = self._offset + self.shape[0] * self._row_nbytes
-        with self._os_errors("finish the file"):
+        with save_errors(self.path, "finish the file"):
             self._f.truncate(total)
             self._f.flush()
             os.fsync(self._f.fileno())

@@ -50,6 +50,7 @@ from ._chunks import (
     default_chunk_rows,
     for_each_chunk,
     fsync_tree,
+    save_errors,
     table_dtype,
     unsigned_carrier,
 )
@@ -542,20 +543,21 @@ class ZarrSink(ArraySink):
         chunks = tuple(max(1, s) for s in (self.chunk_rows, *self.shape[1:]))
         attrs = {DTYPE_ATTR: "bfloat16"} if dtype == torch.bfloat16 else {}
         try:
-            store = LocalStore(self._tmp)
-            kwargs: dict[str, Any] = dict(
-                shape=self.shape,
-                chunks=chunks,
-                dtype=npd,
-                compressors=compressors,
-                fill_value=0,
-                attributes=attrs,
-            )
-            if dataset:
-                root = zarr.open_group(store=store, mode="w")
-                self._arr = root.create_array(dataset, **kwargs)
-            else:
-                self._arr = zarr.create_array(store=store, **kwargs)
+            with save_errors(self.path, "create the store"):
+                store = LocalStore(self._tmp)
+                kwargs: dict[str, Any] = dict(
+                    shape=self.shape,
+                    chunks=chunks,
+                    dtype=npd,
+                    compressors=compressors,
+                    fill_value=0,
+                    attributes=attrs,
+                )
+                if dataset:
+                    root = zarr.open_group(store=store, mode="w")
+                    self._arr = root.create_array(dataset, **kwargs)
+                else:
+                    self._arr = zarr.create_array(store=store, **kwargs)
         except BaseException:
             self.abort()
             raise
@@ -569,7 +571,8 @@ class ZarrSink(ArraySink):
         # that abort() removes. The write runs on a helper thread and is waited out first.
         fut = _writer().submit(self._arr.__setitem__, slice(start, start + rows.shape[0]), rows)
         try:
-            fut.result()
+            with save_errors(self.path, f"write rows {start}:{start + rows.shape[0]}"):
+                fut.result()
         except BaseException:
             _wait_out(fut)
             raise
@@ -581,7 +584,8 @@ class ZarrSink(ArraySink):
     def commit(self) -> None:
         self._require_complete()
         self._aligner.flush()
-        fsync_tree(self._tmp)
+        with save_errors(self.path, "flush the store"):
+            fsync_tree(self._tmp)
         replace_atomically(self._tmp, self.path)
 
     def abort(self) -> None:
