@@ -139,8 +139,9 @@ def _is_row_part_index(indexes: Any) -> bool:
         or (
             # a list, range or tuple of ids, then ints into the row: g[[1, 2], 0], as
             # NumPy; anything else after such ids (a bool, None...) is refused as an index
-            # into the row, not read as a ragged list of ids
-            len(indexes) > 1
+            # into the row, not read as a ragged list of ids. Alone in a tuple, such ids
+            # are the rows (g[([1, 2],)] is g[[1, 2]], as NumPy reads it)
+            len(indexes) >= 1
             and isinstance(indexes[0], (list, range, tuple))
             and not any(isinstance(x, (list, range, tuple)) for x in indexes[1:])
         )
@@ -724,7 +725,7 @@ class DataGadget:
 
         Parameters
         ----------
-        indexes : torch tensor (CPU or CUDA), NumPy or CuPy array, list, range, int or slice
+        indexes : torch tensor (CPU or CUDA), NumPy or CuPy array, list, tuple, range, int or slice
             Row ids of any integer dtype and any shape; the result has shape
             ``indexes.shape + row_shape`` (a plain int gives one row without a leading axis).
             As in SpeedTorch (CuPy indexing), a ``slice`` is a range of rows (Python's
@@ -991,7 +992,8 @@ class DataGadget:
             raise GadgetTypeError(
                 "a tuple of id lists is ambiguous: NumPy reads g[[1, 2], [0, 1]] as the elements "
                 "(1, 0) and (2, 1), which is not supported here; pass a 2-D array or tensor of "
-                "ids for a 2-D batch of rows, or gather the rows and index the result"
+                "ids for a 2-D batch of rows, or gather the rows and index the result; got "
+                f"g[{_index_text(tuple(indexes))}]"
             )
         if _is_row_part_index(indexes):
             if len(indexes) > 1 + len(self.row_shape):
@@ -999,20 +1001,26 @@ class DataGadget:
                     f"too many indices: this table has {1 + len(self.row_shape)} dimensions "
                     f"(rows, then shape {self.row_shape}); got {len(indexes)}"
                 )
-            rows, rest = indexes[0], tuple(indexes[1:])
+            rows, given = indexes[0], tuple(indexes[1:])
             if isinstance(rows, slice):
                 rows = _rows_of(rows, len(self))
-            for x in rest:
+            rest = []
+            for x, size in zip(given, self.row_shape, strict=False):
                 if isinstance(x, slice):
                     _check_row_slice(x)
+                    # Python's bounds for this axis; a step past the axis selects one
+                    # element, as any larger one would (a view's stride must stay small)
+                    start, stop, step = x.indices(size)
+                    rest.append(slice(start, stop, min(step, max(size, 1))))
                     continue
                 if _is_int(x):
+                    rest.append(x)
                     continue
                 raise GadgetTypeError(
                     "an index into the rows (after the row ids) takes slices and ints; got "
                     f"{type(x).__name__}"
                 )
-            return rows, rest
+            return rows, tuple(rest)
         return indexes, ()
 
     def _part_data(self, dataObject: Any, view: torch.Tensor) -> torch.Tensor:
@@ -1265,10 +1273,12 @@ class DataGadget:
         return self.init_(torch.Tensor.zero_)
 
     def fill_(self, value: float) -> DataGadget:
-        """Set every element to ``value``, which the table's dtype must hold: an integer in
-        range for integer tables, True/False/0/1 for bool tables, and for floating-point
-        tables a value within the dtype's finite range (rounded to the dtype, as torch
-        does) or inf/nan. Anything else is an error and leaves the table unchanged."""
+        """Set every element to ``value`` (a number, or a tensor or array of one element),
+        which the table's dtype must hold: an integer in range for integer tables,
+        True/False/0/1 for bool tables, and for floating-point tables a value within the
+        dtype's finite range (rounded to the dtype; a value past its largest finite number,
+        even one that would round to it, is refused, as torch's own ``fill_`` refuses it)
+        or inf/nan. Anything else is an error and leaves the table unchanged."""
         return self.init_(torch.Tensor.fill_, self._fill_value(value))
 
     def _fill_value(self, value: Any) -> bool | int | float:

@@ -278,3 +278,133 @@ def test_default_dataset_names_of_a_save(tmp_path) -> None:
         assert list(f) == ["data"]
     np.testing.assert_array_equal(t.getNumpyVersion(), rows)
     t.close()
+
+
+# ---- rows: one-element tuples of ids, huge slice bounds into the row ----------------------
+@pytest.mark.usefixtures("_no_cuda")
+@pytest.mark.parametrize(
+    "index",
+    [
+        ([1, 2],),
+        ((1, 2),),
+        (range(1, 3),),
+        ([1, 2], slice(None, None, 2**63)),
+        (slice(0, 3), slice(1, None, 2**63)),
+        ([1, 2], slice(-(2**63), None)),
+        ([1, 2], slice(None, 2**70)),
+        ([2, 1], slice(3, -(2**64), 1)),
+    ],
+    ids=["list", "tuple", "range", "step-2^63", "slice-rows-step", "start", "stop", "empty"],
+)
+def test_indexes_numpy_reads_alike(index, tmp_path) -> None:
+    import warnings
+
+    import numpy as np
+
+    import gadgetloader as gl
+
+    a = np.arange(40, dtype=np.float32).reshape(10, 4)
+    np.save(tmp_path / "t.npy", a)
+    for g in (
+        gl.DataGadget(a.copy(), placement="cpu"),
+        gl.DataGadget(tmp_path / "t.npy", placement="file"),
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning of torch's about truncated bounds
+            got = g[index]
+        np.testing.assert_array_equal(got.numpy(), a[index])
+        expect = a.copy()
+        value = np.full(a[index].shape, -1.0, np.float32)
+        expect[index] = value
+        g[index] = value
+        np.testing.assert_array_equal(g.getNumpyVersion(), expect)
+        g.close()
+
+
+@pytest.mark.usefixtures("_no_cuda")
+def test_a_pointwise_index_names_what_arrived() -> None:
+    import gadgetloader as gl
+
+    g = gl.DataGadget((5, 3), placement="cpu")
+    with pytest.raises(gl.GadgetTypeError, match=r"got g\[\[1, 2\], \[0\]\]"):
+        g[[1, 2], [0]]
+
+
+# ---- the transfer engine: out= returned as given; strategy and kind checked ---------------
+@pytest.mark.usefixtures("_no_cuda")
+def test_engine_gather_returns_the_given_out_and_checks_its_names() -> None:
+    import torch
+
+    import gadgetloader as gl
+    import gadgetloader.transfer as tr
+
+    t = torch.arange(40.0).reshape(10, 4)
+    out = torch.empty(3, 4)
+    assert tr.gather(t, torch.tensor([1, 2, 3]), out=out) is out
+    torch.testing.assert_close(out, t[1:4], rtol=0, atol=0)
+    flat = torch.empty(4, 4)  # N-d ids into a flat out: a view of it in the result's shape
+    got = tr.gather(t, torch.tensor([[1, 2], [3, 4]]), out=flat)
+    assert got.shape == (2, 2, 4) and got.data_ptr() == flat.data_ptr()
+    torch.testing.assert_close(flat, t[1:5], rtol=0, atol=0)
+    with pytest.raises(gl.GadgetTypeError, match="strategy must be a name.*NoneType"):
+        tr.resolve_strategy(None, t, 3)
+    with pytest.raises(gl.GadgetKeyError, match="Unknown kind 'bogus'"):
+        tr.resolve_strategy("auto", t, 3, kind="bogus")
+
+
+# ---- checkpoints: a meta.pt or HDF5 flush that fails is a GadgetFileError ------------------
+@pytest.mark.usefixtures("_no_cuda")
+@pytest.mark.parametrize("where", ["meta-write", "meta-replace", "hdf5-fsync"])
+def test_a_checkpoint_write_that_fails_is_a_gadget_file_error(where, tmp_path, monkeypatch):
+    import errno
+    import os
+    import stat
+
+    import torch
+
+    import gadgetloader as gl
+
+    torch.manual_seed(0)
+    m = torch.nn.ModuleDict({"e": gl.OffloadedEmbedding(5, 2, placement="cpu", device="cpu")})
+    ck = tmp_path / "ck"
+    fmt = "hdf5" if where == "hdf5-fsync" else "npy"
+    gl.save_checkpoint(ck, {"m": m}, format=fmt)
+    saved = m["e"].weight.getData(range(5)).clone()
+    before = sorted(os.listdir(ck))
+    m["e"].weight.fill_(3.0)
+    if where == "meta-write":
+        real_save = torch.save
+
+        def save(obj, f, *a, **k):
+            if str(f).endswith("meta.pt.tmp"):
+                raise RuntimeError("PytorchStreamWriter failed writing file: file write failed")
+            return real_save(obj, f, *a, **k)
+
+        monkeypatch.setattr(torch, "save", save)
+        match = "cannot save .*meta.pt: cannot write it"
+    elif where == "meta-replace":
+        real = os.replace
+
+        def replace(a, b, *r, **k):
+            if str(b).endswith("meta.pt"):
+                raise OSError(errno.EIO, "Input/output error")
+            return real(a, b, *r, **k)
+
+        monkeypatch.setattr(os, "replace", replace)
+        match = "cannot put the new .*meta.pt in place of the old one"
+    else:
+        real_fsync = os.fsync
+
+        def fsync(fd):
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        match = "cannot save .*: cannot flush the file"
+    with pytest.raises(gl.GadgetFileError, match=match):
+        gl.save_checkpoint(ck, {"m": m}, format=fmt)
+    monkeypatch.undo()
+    assert sorted(os.listdir(ck)) == before  # the old checkpoint, whole; nothing of the new
+    gl.load_checkpoint(ck, {"m": m})
+    torch.testing.assert_close(m["e"].weight.getData(range(5)), saved, rtol=0, atol=0)

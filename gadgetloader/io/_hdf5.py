@@ -1351,12 +1351,12 @@ class Hdf5Sink(ArraySink):
         with save_errors(self.path, "flush the file", also=(RuntimeError,)):
             self._f.flush()
             self._f.close()
-        self._f = None
-        fd = os.open(self._tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            self._f = None
+            fd = os.open(self._tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         replace_atomically(self._tmp, self.path)
 
     def abort(self) -> None:

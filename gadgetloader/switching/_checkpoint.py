@@ -39,6 +39,8 @@ from .._errors import (
 )
 from .._paths import as_path
 from ..gadget import DataGadget
+from ..io._atomic import replace_atomically
+from ..io._chunks import save_errors
 from ..io._stream import STAGING_BYTES, blocks
 from . import _embedding
 from ._embedding import OffloadedOptimizer, _OffloadedTable
@@ -323,8 +325,13 @@ def save_checkpoint(
                 table.save(os.path.join(d, fname), format=format, progress=progress)
                 files[tname] = fname
             entries[name] = {"kind": kind, "tables": files, "meta": metas[name]}
-        torch.save({"version": _VERSION, "format": format, "objects": entries}, tmp)
-        os.replace(tmp, os.path.join(d, _META))
+        meta_path = os.path.join(d, _META)
+        # a full disk: torch's writer raises RuntimeError, the file system OSError
+        with save_errors(meta_path, "write it", also=(RuntimeError,)):
+            torch.save({"version": _VERSION, "format": format, "objects": entries}, tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())  # complete on disk before it names the new files
+        replace_atomically(tmp, meta_path)
     except BaseException:
         # this save's files are a full copy of the tables (and a full disk the likeliest
         # cause): remove them, so the previous checkpoint is all that is left, as it was
@@ -474,6 +481,19 @@ def _skeleton(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return _rebuild(obj, (_skeleton(v) for v in obj))
     return obj
+
+
+_KIND_TEXT = {
+    "module": "a module",
+    "offloaded_optimizer": "an OffloadedOptimizer",
+    "model_switch": "a model switcher",
+    "optimizer_switch": "an optimizer switcher",
+}
+
+
+def _kind_text(kind: Any) -> str:
+    """A checkpoint object's kind, as a message names it."""
+    return _KIND_TEXT.get(kind, repr(kind)) if isinstance(kind, str) else repr(kind)
 
 
 def _check_loadable(metas: dict[str, Any]) -> None:
@@ -754,8 +774,8 @@ def load_checkpoint(
             or len(extra) != len(set(entry["tables"]) - set(tables))
         ):
             raise GadgetValueError(
-                f"checkpoint object {name!r} is a {entry['kind']} with tables {sorted(entry['tables'])}; "
-                f"got a {kind} with tables {sorted(tables)}"
+                f"checkpoint object {name!r} is {_kind_text(entry['kind'])} with tables "
+                f"{sorted(entry['tables'])}; got {_kind_text(kind)} with tables {sorted(tables)}"
             )
         meta = entry["meta"]
         if kind == "module":

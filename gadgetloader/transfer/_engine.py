@@ -93,7 +93,10 @@ def resolve_strategy(
     *,
     kind: str = "gather",
 ) -> str:
-    """Turn ``auto`` into a concrete strategy for one call; validate names.
+    """Turn ``auto`` into a concrete strategy for one call; validate names (a strategy
+    that is not a string is a :class:`~gadgetloader.GadgetTypeError`, an unknown
+    strategy or ``kind`` -- ``"gather"`` or ``"scatter"`` -- a
+    :class:`~gadgetloader.GadgetKeyError`).
 
     ``auto`` (measured on an H200, see DESIGN.md): requests of up to 1024 ids ->
     ``kernel``; tables up to 2 GB -> ``kernel``, or ``sorted`` from
@@ -108,8 +111,14 @@ def resolve_strategy(
     ``auto`` scatters with ``kernel``. Without CuPy every strategy but ``torch`` becomes
     ``torch``.
     """
+    if not isinstance(strategy, str):
+        raise GadgetTypeError(
+            f"strategy must be a name, one of {list(STRATEGIES)}; got {type(strategy).__name__}"
+        )
     if strategy not in STRATEGIES:
         raise GadgetKeyError(f"Unknown strategy {strategy!r}; expected one of {list(STRATEGIES)}")
+    if kind not in ("gather", "scatter"):
+        raise GadgetKeyError(f"Unknown kind {kind!r}; expected 'gather' or 'scatter'")
     if not cupy_available() and strategy != "torch":
         return "torch"
     if strategy == "hybrid" and host is None:
@@ -269,11 +278,16 @@ def gather(
     strategy: str = "auto",
     host: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rows ``table[ids]`` as a new (or the given ``out``) contiguous CUDA tensor.
+    """Rows ``table[ids]`` as a new contiguous tensor on the table's device (a CUDA
+    tensor for a GPU-visible table, a CPU one for a CPU table), or in the given ``out``:
+    ``out`` itself when it has the result's shape, else (``out`` of shape
+    ``(ids.numel(), *row shape)`` for N-d ids) a view of it in the result's shape.
 
-    ``ids`` must be checked int64 ids (see :func:`gadgetloader._ids.as_ids`), on the
-    table's device (or the CPU for ``hybrid``); its shape becomes the leading shape of
-    the result. ``host`` is the CPU view of the same table where one exists.
+    This is the engine under :meth:`~gadgetloader.DataGadget.getData`, for callers that
+    hold tensors: ``ids`` must already be in range, int64, on the table's device (or the
+    CPU for ``hybrid``) -- :meth:`~gadgetloader.DataGadget.getData` checks and converts
+    ids of any kind. Their shape becomes the leading shape of the result. ``host`` is
+    the CPU view of the same table where one exists (``pinned`` tables).
     """
     return gather_many([table], ids, None if out is None else [out], strategy, [host])[0]
 
@@ -326,7 +340,8 @@ def gather_many(
             )
         elif any(shares_memory(out, t) for t in tables):
             clash = True
-        results.append(out.view(tuple(ids.shape) + row_shape))
+        shaped = tuple(ids.shape) + row_shape
+        results.append(out if tuple(out.shape) == shaped else out.view(shaped))
         flat_outs.append(out.view(n, *row_shape))
     if clash:
         # rows of a table gathered into that table: gather apart, then copy (as torch's
@@ -502,15 +517,16 @@ def scatter(
 ) -> None:
     """``table[ids] = rows`` in place; for a repeated id the *last* occurrence wins.
 
-    ``rows`` is a CUDA tensor of shape ``ids.shape + row shape`` and the table's dtype.
-    Repeated ids are merged on the GPU so that only each id's last entry is written,
-    whatever the strategy, and the result is deterministic: the ``kernel`` strategy
-    on a table of at most :data:`SLOT_MERGE_MAX_ROWS` rows and :data:`SORT_ABOVE_BYTES`
-    bytes, for fewer than :data:`SORT_FROM_IDS` ids and at most
-    :data:`_kernels.SPARSE_GAP_BYTES` of table per id, marks each id's last position in a
-    slot array (two small launches, no sort) and writes in the order given; otherwise
-    the ids are sorted (stably) and the kernel writes the last entry of each run of
-    equal ids, walking the table in address order. ``unique=True`` promises distinct ids
+    ``rows`` is a tensor on the table's device (CUDA for a GPU-visible table, CPU for a
+    CPU table) of shape ``ids.shape + row shape`` and the table's dtype; ``ids`` must be
+    in range and int64 (:meth:`~gadgetloader.DataGadget.insertData` checks and converts
+    ids and rows of any kind). Repeated ids are merged so that only each id's last entry
+    is written, whatever the strategy, and the result is deterministic: on a table of at
+    most 2**24 rows and 2 GB, for fewer than 2**18 ids and at most 16 KiB of table per
+    id, the ``kernel`` strategy marks each id's last position in a slot array (two small
+    launches, no sort) and writes in the order given; otherwise the ids are sorted
+    (stably) and the kernel writes the last entry of each run of equal ids, walking the
+    table in address order (DESIGN.md has the measurements behind these limits). ``unique=True`` promises distinct ids
     (the switchers' row plans): no merge, every entry is written in the order given;
     ``ids_sorted=True`` with it says they also ascend (a row plan's do), which gives
     sparse requests the launch shape of :func:`_kernels.ordered_shape`.
