@@ -151,6 +151,8 @@ def _is_row_part_index(indexes: Any) -> bool:
 def _many_ids(indexes: Any, num_rows: int, fn: str) -> Any:
     """The row ids of a :func:`gather_many` / :func:`scatter_many` call: ids, or a ``slice``
     of rows; an index into the rows is refused with a message that says so."""
+    if _is_row_part_index(indexes) and len(indexes) == 1:
+        indexes = indexes[0]  # rows alone in a tuple: those rows, as DataGadget reads them
     if isinstance(indexes, slice):
         return _rows_of(indexes, num_rows)
     if _is_row_part_index(indexes):

@@ -408,3 +408,25 @@ def test_a_checkpoint_write_that_fails_is_a_gadget_file_error(where, tmp_path, m
     assert sorted(os.listdir(ck)) == before  # the old checkpoint, whole; nothing of the new
     gl.load_checkpoint(ck, {"m": m})
     torch.testing.assert_close(m["e"].weight.getData(range(5)), saved, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("_no_cuda")
+@pytest.mark.parametrize("kind", ["list", "array", "slice", "range"])
+def test_many_calls_read_rows_alone_in_a_tuple_as_those_rows(kind: str) -> None:
+    import numpy as np
+    import torch
+
+    import gadgetloader as gl
+
+    rows = {"list": [1, 2], "array": np.array([1, 2]), "slice": slice(1, 3), "range": range(1, 3)}
+    a = np.arange(12, dtype=np.float32).reshape(4, 3)
+    g = gl.DataGadget(a.copy(), placement="cpu")
+    h = gl.DataGadget(a.copy() * 10, placement="cpu")
+    got = gl.gather_many([g, h], (rows[kind],))
+    np.testing.assert_array_equal(got[0].numpy(), a[1:3])
+    np.testing.assert_array_equal(got[1].numpy(), a[1:3] * 10)
+    gl.scatter_many([g, h], [torch.zeros(2, 3), torch.ones(2, 3)], (rows[kind],))
+    np.testing.assert_array_equal(g.getNumpyVersion()[1:3], 0)
+    np.testing.assert_array_equal(h.getNumpyVersion()[1:3], 1)
+    with pytest.raises(gl.GadgetTypeError, match="not an index into the rows"):
+        gl.gather_many([g, h], (rows[kind], 0))
