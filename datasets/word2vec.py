@@ -285,6 +285,17 @@ def _count(low: int, high: int = 2**63 - 1) -> Any:
     return parse
 
 
+def _device(text: str) -> str:
+    """An argparse type: ``cuda``, ``cuda:N`` or ``cpu`` (checked before any training)."""
+    try:
+        kind = torch.device(text).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cuda", "cpu"):
+        raise argparse.ArgumentTypeError(f"expected 'cuda', 'cuda:N' or 'cpu', got {text!r}")
+    return text
+
+
 class _OneLineErrors(argparse.ArgumentParser):
     """Errors are one line (``--help`` shows the usage), exit status 2."""
 
@@ -315,7 +326,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=["pinned", "cpu", "cuda"],
         help="where the tables and Adam state live (default: pinned with CUDA, else cpu)",
     )
-    p.add_argument("--device", default=None)
+    p.add_argument(
+        "--device", type=_device, default=None, help="where the model computes: cuda, cuda:N or cpu"
+    )
     p.add_argument("--seed", type=_count(0), default=0)
     p.add_argument("--out", default=None, help="write OUT.npy and OUT.vocab.txt")
     p.add_argument(

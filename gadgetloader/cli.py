@@ -171,11 +171,14 @@ def _main(argv: Sequence[str] | None) -> int:
         return status
     if args.command == "bench":
         from ._errors import GadgetError
+        from .bench._common import OptionError
 
         module = _SUITES[args.suite or "seed"][0]
         try:
             result = importlib.import_module(module).run(args)
-        except (GadgetError, OSError) as exc:  # bad options, a missing --dir: one line
+        except OptionError as exc:  # a bad option found after parsing: a usage error too
+            parser.error(str(exc))
+        except (GadgetError, OSError) as exc:  # a file system problem: one line
             print(f"gadgetloader bench: error: {exc}", file=sys.stderr)
             return 1
         except MemoryError as exc:  # a size beyond this machine's RAM: one line too

@@ -173,7 +173,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dst", help="destination (format from its extension)")
     parser.add_argument("--dataset", help="array inside the source HDF5 file or zarr group")
     parser.add_argument("--dst-dataset", help="its name in the destination (default: --dataset)")
-    parser.add_argument("--chunk-rows", type=int, help="rows per chunk in the destination")
+    from .bench._common import positive_int
+
+    parser.add_argument("--chunk-rows", type=positive_int, help="rows per chunk in the destination")
     parser.add_argument(
         "--compression",
         help="destination compression: HDF5 gzip|lzf, zarr zstd|gzip|blosc, or none",

@@ -301,6 +301,8 @@ def test_bench_files_with_a_missing_dir_is_a_one_line_error(
 ) -> None:
     from gadgetloader.cli import main
 
-    assert main(["bench", "files", "--dir", "/nonexistent/gadgetloader-dir", "--mb", "1"]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("gadgetloader bench: error:") and "no such directory" in err
+    with pytest.raises(SystemExit) as exit_info:  # a usage error (exit status 2)
+        main(["bench", "files", "--dir", "/nonexistent/gadgetloader-dir", "--mb", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("gadgetloader bench files: error:") and "no such directory" in err

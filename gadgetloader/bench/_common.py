@@ -9,7 +9,10 @@ from typing import Any
 
 import torch
 
+from .._errors import GadgetValueError
+
 __all__ = [
+    "OptionError",
     "Timing",
     "comma_list",
     "format_table",
@@ -145,14 +148,18 @@ def non_negative_finite_float(text: str) -> float:
     return value
 
 
-def comma_list(text: str, allowed: Sequence[str], what: str) -> list[str]:
-    """``text``'s comma-separated names, each one of ``allowed`` (else a clear error)."""
-    from .._errors import GadgetValueError
+class OptionError(GadgetValueError):
+    """A bad value of a command-line option found after parsing (a name list, a bound that
+    depends on another option, a folder): ``gadgetloader`` reports it as argparse reports
+    its own, a usage error naming the command, exit status 2."""
 
+
+def comma_list(text: str, allowed: Sequence[str], what: str) -> list[str]:
+    """``text``'s comma-separated names, each one of ``allowed`` (else an :class:`OptionError`)."""
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in allowed]
     if bad or not names:
-        raise GadgetValueError(
+        raise OptionError(
             f"unknown {what} {bad or [text]}; expected a comma-separated subset of {list(allowed)}"
         )
     return names

@@ -42,9 +42,10 @@ import numpy as np
 import torch
 
 from .._device import cuda_available, cupy_available
-from .._errors import FallbackWarning, GadgetFileNotFoundError
+from .._errors import FallbackWarning, GadgetKeyError, GadgetValueError
 from ..io import load_into, open_source
 from ._common import (
+    OptionError,
     comma_list,
     format_table,
     positive_finite_float,
@@ -289,12 +290,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     placement = _placement()
     device = torch.device("cuda") if cuda_available() else torch.device("cpu")
     if args.dir is not None and not os.path.isdir(args.dir):
-        raise GadgetFileNotFoundError(f"--dir {args.dir}: no such directory")
+        raise OptionError(f"--dir {args.dir}: no such directory")
     if args.compression is not None and "zarr" in formats:  # before any file is written
         from ..io._chunks import check_compression
         from ..io._zarr import _COMPRESSIONS as _ZARR_COMPRESSIONS
 
-        check_compression(args.compression, _ZARR_COMPRESSIONS, "zarr", "--compression")
+        try:
+            check_compression(args.compression, _ZARR_COMPRESSIONS, "zarr", "--compression")
+        except (GadgetKeyError, GadgetValueError) as exc:
+            raise OptionError(str(exc)) from exc
     root = Path(tempfile.mkdtemp(prefix="gadgetloader-bench-", dir=args.dir))
     report: dict[str, Any] = {
         "config": {

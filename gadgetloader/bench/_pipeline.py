@@ -39,8 +39,8 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
 
-from .._errors import GadgetValueError
 from ._common import (
+    OptionError,
     comma_list,
     format_table,
     measure_memcpy,
@@ -251,19 +251,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ..gadget import DataGadget
 
     if args.width < 3:
-        raise GadgetValueError(f"--width must be >= 3 (rows carry their id); got {args.width}")
+        raise OptionError(f"--width must be >= 3 (rows carry their id); got {args.width}")
     if args.rows >= _BASE**3:
-        raise GadgetValueError(f"--rows must be < {_BASE**3}; got {args.rows}")
+        raise OptionError(f"--rows must be < {_BASE**3}; got {args.rows}")
     if args.dir is not None and not os.path.isdir(args.dir):
-        raise GadgetValueError(f"--dir {args.dir}: no such directory")
+        raise OptionError(f"--dir {args.dir}: no such directory")
     try:
         worker_counts = {int(w) for w in str(args.workers).split(",") if w.strip() != ""}
     except ValueError:
-        raise GadgetValueError(
+        raise OptionError(
             f"--workers must be comma-separated whole numbers; got {args.workers!r}"
         ) from None
     if any(w < 0 for w in worker_counts):
-        raise GadgetValueError(f"--workers must not be negative; got {args.workers!r}")
+        raise OptionError(f"--workers must not be negative; got {args.workers!r}")
     sources = comma_list(str(args.sources), ("memory", "file"), "--sources")
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda") if cuda else torch.device("cpu")

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ._common import (
+    OptionError,
     comma_list,
     format_table,
     gbps,
@@ -67,20 +68,17 @@ def _options(
     args: argparse.Namespace,
 ) -> tuple[list[float], list[int], list[int], list[str], list[float]]:
     """The sweep's comma-separated options, checked (a clear error names the bad one)."""
-    from .._errors import GadgetValueError
 
     def numbers(text: str, kind: type, what: str, low: float, high: float | None = None) -> list:
         try:
             values = [kind(t) for t in str(text).split(",") if t.strip()]
         except ValueError:
-            raise GadgetValueError(
-                f"{what} must be comma-separated numbers; got {text!r}"
-            ) from None
+            raise OptionError(f"{what} must be comma-separated numbers; got {text!r}") from None
         if not values or any(
             not math.isfinite(v) or v < low or (high is not None and v > high) for v in values
         ):
             bound = f"in [{low}, {high}]" if high is not None else f"at least {low}"
-            raise GadgetValueError(f"{what} values must be {bound}; got {text!r}")
+            raise OptionError(f"{what} values must be {bound}; got {text!r}")
         return values
 
     sizes = sorted(numbers(args.sizes_gb, float, "--sizes-gb", 1e-6))
@@ -98,7 +96,7 @@ def _options(
             else int(match.group(2)) in (1, 2, 4, 8, 16)
         )
         if not ok:
-            raise GadgetValueError(
+            raise OptionError(
                 f"--strategies: {m!r} is no kernel variant; expected kernel-u<unroll 1-16> or "
                 "kernel-v<vector bytes: 1, 2, 4, 8 or 16>"
             )

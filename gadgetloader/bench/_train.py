@@ -40,8 +40,9 @@ import torch.nn.functional as F  # noqa: N812 (the torch idiom)
 from torch import nn
 
 from .._device import cuda_available
-from .._errors import FallbackWarning, GadgetValueError
+from .._errors import FallbackWarning
 from ._common import (
+    OptionError,
     comma_list,
     format_table,
     learning_rate,
@@ -535,7 +536,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the training benchmark; prints the table and returns a JSON-able dict."""
     methods = comma_list(str(args.methods), METHODS, "--methods")
     if args.placement not in ("pinned", "cuda", "cpu"):
-        raise GadgetValueError(f"--placement must be pinned, cuda or cpu; got {args.placement!r}")
+        raise OptionError(f"--placement must be pinned, cuda or cpu; got {args.placement!r}")
     has_cuda = cuda_available()
     if args.fused and not has_cuda:
         skipped_fused = "--fused needs CUDA (fused Adam): ignored on the CPU"
