@@ -216,6 +216,12 @@ def train(
     between the stores and the GPU; repeated words within a batch are merged, so their
     gradients add up exactly. The output table starts at zero (as in word2vec), so the
     first step moves only it: a corpus that fits in one batch wants several ``epochs``.
+
+    Raises
+    ------
+    ValueError
+        Bad settings, a corpus with fewer than two distinct words, or training that
+        diverged (an epoch's loss is not finite: ``lr`` is too large for the corpus).
     """
     if not (isinstance(chunk_tokens, int) and chunk_tokens >= 1):
         raise ValueError(f"chunk_tokens must be a whole number of at least 1; got {chunk_tokens!r}")
@@ -267,6 +273,11 @@ def train(
                 bar.update(center.shape[0])
         bar.close()
         losses.append(float(total) / max(steps, 1))
+        if not np.isfinite(losses[-1]):
+            raise ValueError(
+                f"training diverged: the loss of epoch {len(losses)} is {losses[-1]} "
+                f"(lr {lr}); lower the learning rate"
+            )
     return Word2VecResult(vocab, model, losses)
 
 

@@ -430,3 +430,29 @@ def test_many_calls_read_rows_alone_in_a_tuple_as_those_rows(kind: str) -> None:
     np.testing.assert_array_equal(h.getNumpyVersion()[1:3], 1)
     with pytest.raises(gl.GadgetTypeError, match="not an index into the rows"):
         gl.gather_many([g, h], (rows[kind], 0))
+
+
+def test_word2vec_training_that_diverges_stops_and_writes_nothing(tmp_path) -> None:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
+    env.pop("PYTHONWARNINGS", None)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the cat sat on the mat\nthe dog sat\n")
+    out = tmp_path / "vec"
+    p = subprocess.run(
+        [sys.executable, "-m", "datasets.word2vec", str(corpus), "--dim", "4", "--epochs", "3"]
+        + ["--lr", "1e30", "--no-progress", "--out", str(out), "--device", "cpu"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 1, p.stderr
+    assert "training diverged" in p.stderr and "Traceback" not in p.stderr
+    assert list(tmp_path.iterdir()) == [corpus]  # no vectors written
+
+
+@pytest.mark.parametrize("device", ["bogus", "cuda:x", "mps"])
+def test_word2vec_device_is_checked_before_training(device: str, tmp_path) -> None:
+    p = _run(["-m", "datasets.word2vec", str(tmp_path / "missing.txt"), "--device", device])
+    assert p.returncode == 2 and "argument --device" in p.stderr and device in p.stderr

@@ -64,7 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--width", type=positive_int, default=128, help="elements per row (default 128, >= 3)"
     )
     p.add_argument("--dtype", default="float32", choices=_DTYPES, help="table dtype")
-    p.add_argument("--batch", type=positive_int, default=4096, help="rows per batch (default 4096)")
+    p.add_argument(
+        "--batch",
+        type=positive_int,
+        default=4096,
+        help="rows per batch (default 4096; at most --rows)",
+    )
     p.add_argument(
         "--batches",
         type=positive_int,
