@@ -20,7 +20,6 @@ import math
 import os
 import random
 import re
-import resource
 import runpy
 import shutil
 import signal
@@ -114,13 +113,53 @@ def gl_cli(*args):
 # value the library failed to refuse would still run a small benchmark, never the default one
 TINY = {
     "seed": ["--rows", "64", "--width", "4", "--ids", "8", "--repeats", "1"],
-    "sweep": ["--sizes-gb", "0.001", "--widths", "8", "--ids", "16", "--repeats", "1",
-              "--naive-max-ids", "0"],
+    "sweep": [
+        "--sizes-gb",
+        "0.001",
+        "--widths",
+        "8",
+        "--ids",
+        "16",
+        "--repeats",
+        "1",
+        "--naive-max-ids",
+        "0",
+    ],
     "files": ["--mb", "0.05", "--random-mb", "0.05", "--ids", "8", "--repeats", "1"],
-    "pipeline": ["--rows", "64", "--width", "4", "--batch", "8", "--batches", "1",
-                 "--seconds", "0.05", "--repeats", "1", "--workers", "0"],
-    "train": ["--rows", "100", "--dim", "4", "--batch", "8", "--negatives", "1", "--steps", "1",
-              "--warmup", "0", "--repeats", "1", "--memcpy-mib", "1"],
+    "pipeline": [
+        "--rows",
+        "64",
+        "--width",
+        "4",
+        "--batch",
+        "8",
+        "--batches",
+        "1",
+        "--seconds",
+        "0.05",
+        "--repeats",
+        "1",
+        "--workers",
+        "0",
+    ],
+    "train": [
+        "--rows",
+        "100",
+        "--dim",
+        "4",
+        "--batch",
+        "8",
+        "--negatives",
+        "1",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--repeats",
+        "1",
+        "--memcpy-mib",
+        "1",
+    ],
 }
 
 
@@ -188,7 +227,7 @@ def same(printed, value, rel=0.011):
 
 
 def skipped_lines(out):
-    return [ln[len("skipped: "):] for ln in out.splitlines() if ln.startswith("skipped: ")]
+    return [ln[len("skipped: ") :] for ln in out.splitlines() if ln.startswith("skipped: ")]
 
 
 # --------------------------------------------------------------------------- inputs
@@ -222,9 +261,22 @@ def _interrupted_convert(work):
     z = zarr.open_array(dst, mode="w", shape=old.shape, dtype=old.dtype)
     z[...] = old
     p = subprocess.Popen(
-        [sys.executable, "-m", "gadgetloader", "convert", src, dst,
-         "--compression", "gzip", "--no-progress"],
-        cwd=work, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "gadgetloader",
+            "convert",
+            src,
+            dst,
+            "--compression",
+            "gzip",
+            "--no-progress",
+        ],
+        cwd=work,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     t0 = time.time()
     while time.time() - t0 < 60 and p.poll() is None:
@@ -238,13 +290,25 @@ def _interrupted_convert(work):
     out, err = p.communicate(timeout=60)
     leftovers = sorted(os.path.basename(x) for x in glob.glob(str(work / ".old.zarr*")))
     after = np.asarray(zarr.open_array(dst, mode="r")[...]) if dst.exists() else None
-    return SimpleNamespace(rc=p.returncode, out=out, err=err, early=finished_early,
-                           leftovers=leftovers, old=old, after=after)
+    return SimpleNamespace(
+        rc=p.returncode,
+        out=out,
+        err=err,
+        early=finished_early,
+        leftovers=leftovers,
+        old=old,
+        after=after,
+    )
 
 
-def _fsize_limited():
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200))
+#: word2vec's main with the 200-byte file size limit set once everything is imported
+_SAVEFAIL = """
+import resource, signal, sys
+import numpy, torch, gadgetloader, datasets.word2vec as w2v
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200))
+sys.exit(w2v.main(sys.argv[1:]))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -252,44 +316,251 @@ def runs(work):
     c = work / "corpus.txt"
     jobs = {
         # heavier ones first
-        "train": lambda: sub(["gadgetloader", "bench", "train", "--rows", 200, "--dim", 8,
-                              "--batch", 32, "--negatives", 2, "--steps", 2, "--warmup", 1,
-                              "--repeats", 1, "--json", work / "train.json"]),
+        "train": lambda: sub(
+            [
+                "gadgetloader",
+                "bench",
+                "train",
+                "--rows",
+                200,
+                "--dim",
+                8,
+                "--batch",
+                32,
+                "--negatives",
+                2,
+                "--steps",
+                2,
+                "--warmup",
+                1,
+                "--repeats",
+                1,
+                "--json",
+                work / "train.json",
+            ]
+        ),
         "interrupt": (lambda: _interrupted_convert(work)) if zarr is not None else (lambda: None),
-        "w2v": lambda: sub(["datasets.word2vec", c, "--dim", 8, "--epochs", 2, "--seed", 5,
-                            "--out", work / "w2v_out" / "v", "--show", "King,QUEEN,zzz",
-                            "--no-progress"]),
-        "w2v_again": lambda: sub(["datasets.word2vec", c, "--dim", 8, "--epochs", 2, "--seed", 5,
-                                  "--out", work / "w2v_out2" / "v", "--no-progress"]),
-        "w2v_savefail": lambda: sub(["datasets.word2vec", c, "--dim", 4, "--no-progress",
-                                     "--out", work / "w2v_fail" / "v"], preexec_fn=_fsize_limited),
-        "pipeline": lambda: sub(["gadgetloader", "bench", "pipeline", "--rows", 2048, "--width", 8,
-                                 "--batch", 256, "--batches", 4, "--seconds", 0.2, "--repeats", 1,
-                                 "--workers", 0, "--dir", work / "pipe_dir",
-                                 "--json", work / "pipe.json"]),
-        "pipeline2": lambda: sub(["gadgetloader", "bench", "pipeline", "--rows", 1000, "--width", 3,
-                                  "--dtype", "int64", "--batch", 100, "--batches", 2,
-                                  "--seconds", 0.1, "--repeats", 1, "--workers", 0,
-                                  "--sources", "memory", "--prefetch", 0, "--coalesce", 2,
-                                  "--json", work / "pipe2.json"]),
-        "train2": lambda: sub(["gadgetloader", "bench", "train", "--rows", 300, "--dim", 4,
-                               "--batch", 16, "--negatives", 1, "--steps", 1, "--warmup", 0,
-                               "--repeats", 1, "--methods", "dropin,gpu", "--fused", "--no-verify",
-                               "--zipf", 0, "--profile", work / "prof.txt",
-                               "--json", work / "train2.json"]),
-        "files": lambda: sub(["gadgetloader", "bench", "files", "--mb", 0.2, "--random-mb", 0.1,
-                              "--ids", 32, "--repeats", 1, "--dir", work / "files_keep", "--keep",
-                              "--json", work / "files.json"]),
-        "files2": lambda: sub(["gadgetloader", "bench", "files", "--gb", 0.0002, "--mb", 5,
-                               "--formats", "npy,hdf5", "--no-baselines", "--ids", 100000,
-                               "--repeats", 1, "--dir", work / "files_tmp",
-                               "--json", work / "files2.json"]),
-        "seed": lambda: sub(["gadgetloader", "bench", "--rows", 50, "--width", 3, "--ids", 5000,
-                             "--dtype", "bfloat16", "--no-speedtorch", "--repeats", 2,
-                             "--seed", SEED_MAX, "--json", work / "seed.json"]),
-        "sweep": lambda: sub(["gadgetloader", "bench", "sweep", "--sizes-gb", 0.001, "--widths", 8,
-                              "--ids", 100, "--repeats", 1, "--json", work / "sweep.json",
-                              "--plot", work / "sweep.png"]),
+        "w2v": lambda: sub(
+            [
+                "datasets.word2vec",
+                c,
+                "--dim",
+                8,
+                "--epochs",
+                2,
+                "--seed",
+                5,
+                "--out",
+                work / "w2v_out" / "v",
+                "--show",
+                "King,QUEEN,zzz",
+                "--no-progress",
+            ]
+        ),
+        "w2v_again": lambda: sub(
+            [
+                "datasets.word2vec",
+                c,
+                "--dim",
+                8,
+                "--epochs",
+                2,
+                "--seed",
+                5,
+                "--out",
+                work / "w2v_out2" / "v",
+                "--no-progress",
+            ]
+        ),
+        # the file size limit is set after the imports (a GPU machine's libraries may write
+        # caches of their own while they load, and abort when they cannot)
+        "w2v_savefail": lambda: subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _SAVEFAIL,
+                str(c),
+                "--dim",
+                "4",
+                "--no-progress",
+                "--out",
+                str(work / "w2v_fail" / "v"),
+            ],
+            cwd=REPO,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=85,
+        ),
+        "pipeline": lambda: sub(
+            [
+                "gadgetloader",
+                "bench",
+                "pipeline",
+                "--rows",
+                2048,
+                "--width",
+                8,
+                "--batch",
+                256,
+                "--batches",
+                4,
+                "--seconds",
+                0.2,
+                "--repeats",
+                1,
+                "--workers",
+                0,
+                "--dir",
+                work / "pipe_dir",
+                "--json",
+                work / "pipe.json",
+            ]
+        ),
+        "pipeline2": lambda: sub(
+            [
+                "gadgetloader",
+                "bench",
+                "pipeline",
+                "--rows",
+                1000,
+                "--width",
+                3,
+                "--dtype",
+                "int64",
+                "--batch",
+                100,
+                "--batches",
+                2,
+                "--seconds",
+                0.1,
+                "--repeats",
+                1,
+                "--workers",
+                0,
+                "--sources",
+                "memory",
+                "--prefetch",
+                0,
+                "--coalesce",
+                2,
+                "--json",
+                work / "pipe2.json",
+            ]
+        ),
+        "train2": lambda: sub(
+            [
+                "gadgetloader",
+                "bench",
+                "train",
+                "--rows",
+                300,
+                "--dim",
+                4,
+                "--batch",
+                16,
+                "--negatives",
+                1,
+                "--steps",
+                1,
+                "--warmup",
+                0,
+                "--repeats",
+                1,
+                "--methods",
+                "dropin,gpu",
+                "--fused",
+                "--no-verify",
+                "--zipf",
+                0,
+                "--profile",
+                work / "prof.txt",
+                "--json",
+                work / "train2.json",
+            ]
+        ),
+        "files": lambda: sub(
+            [
+                "gadgetloader",
+                "bench",
+                "files",
+                "--mb",
+                0.2,
+                "--random-mb",
+                0.1,
+                "--ids",
+                32,
+                "--repeats",
+                1,
+                "--dir",
+                work / "files_keep",
+                "--keep",
+                "--json",
+                work / "files.json",
+            ]
+        ),
+        "files2": lambda: sub(
+            [
+                "gadgetloader",
+                "bench",
+                "files",
+                "--gb",
+                0.0002,
+                "--mb",
+                5,
+                "--formats",
+                "npy,hdf5",
+                "--no-baselines",
+                "--ids",
+                100000,
+                "--repeats",
+                1,
+                "--dir",
+                work / "files_tmp",
+                "--json",
+                work / "files2.json",
+            ]
+        ),
+        "seed": lambda: sub(
+            [
+                "gadgetloader",
+                "bench",
+                "--rows",
+                50,
+                "--width",
+                3,
+                "--ids",
+                5000,
+                "--dtype",
+                "bfloat16",
+                "--no-speedtorch",
+                "--repeats",
+                2,
+                "--seed",
+                SEED_MAX,
+                "--json",
+                work / "seed.json",
+            ]
+        ),
+        "sweep": lambda: sub(
+            [
+                "gadgetloader",
+                "bench",
+                "sweep",
+                "--sizes-gb",
+                0.001,
+                "--widths",
+                8,
+                "--ids",
+                100,
+                "--repeats",
+                1,
+                "--json",
+                work / "sweep.json",
+                "--plot",
+                work / "sweep.png",
+            ]
+        ),
         "info": lambda: sub(["gadgetloader", "info", "--json", work / "info.json"]),
         "bad_bench": lambda: sub(["gadgetloader", "bench", "--rows", 0]),
     }
@@ -336,15 +607,66 @@ def test_bench_help_options_are_the_seed_suites():
 
 
 SUITE_OPTIONS = {
-    "seed": ["--json", "--rows", "--width", "--ids", "--dtype", "--repeats", "--seed", "--no-speedtorch"],
-    "sweep": ["--json", "--sizes-gb", "--widths", "--ids", "--strategies", "--repeats", "--plot",
-              "--hybrid-fractions", "--pages", "--naive-max-ids"],
-    "files": ["--json", "--gb", "--mb", "--dir", "--formats", "--keep", "--no-baselines", "--ids",
-              "--cache-mb", "--random-chunk-rows"],
-    "pipeline": ["--json", "--rows", "--width", "--batch", "--workers", "--prefetch", "--coalesce",
-                 "--sources", "--dir"],
-    "train": ["--json", "--rows", "--dim", "--batch", "--negatives", "--steps", "--repeats",
-              "--methods", "--fused", "--no-verify", "--placement", "--lr", "--profile"],
+    "seed": [
+        "--json",
+        "--rows",
+        "--width",
+        "--ids",
+        "--dtype",
+        "--repeats",
+        "--seed",
+        "--no-speedtorch",
+    ],
+    "sweep": [
+        "--json",
+        "--sizes-gb",
+        "--widths",
+        "--ids",
+        "--strategies",
+        "--repeats",
+        "--plot",
+        "--hybrid-fractions",
+        "--pages",
+        "--naive-max-ids",
+    ],
+    "files": [
+        "--json",
+        "--gb",
+        "--mb",
+        "--dir",
+        "--formats",
+        "--keep",
+        "--no-baselines",
+        "--ids",
+        "--cache-mb",
+        "--random-chunk-rows",
+    ],
+    "pipeline": [
+        "--json",
+        "--rows",
+        "--width",
+        "--batch",
+        "--workers",
+        "--prefetch",
+        "--coalesce",
+        "--sources",
+        "--dir",
+    ],
+    "train": [
+        "--json",
+        "--rows",
+        "--dim",
+        "--batch",
+        "--negatives",
+        "--steps",
+        "--repeats",
+        "--methods",
+        "--fused",
+        "--no-verify",
+        "--placement",
+        "--lr",
+        "--profile",
+    ],
 }
 
 # README figures for each suite's defaults, as its help must say them
@@ -369,8 +691,16 @@ def test_suite_help_has_documented_options_and_defaults(suite):
 def test_convert_and_info_help_match_readme():
     r = gl_cli("convert", "--help")
     assert r.rc == 0
-    assert {"--dataset", "--dst-dataset", "--chunk-rows", "--compression", "--format", "--to",
-            "--progress", "--no-progress"} <= _options(r.out)
+    assert {
+        "--dataset",
+        "--dst-dataset",
+        "--chunk-rows",
+        "--compression",
+        "--format",
+        "--to",
+        "--progress",
+        "--no-progress",
+    } <= _options(r.out)
     flat = " ".join(r.out.split())
     # README: HDF5 takes gzip/lzf/"none", zarr zstd (default)/gzip/blosc/"none"
     assert "gzip|lzf" in flat and "zstd|gzip|blosc" in flat and "none" in flat
@@ -381,8 +711,20 @@ def test_convert_and_info_help_match_readme():
 def test_word2vec_help_matches_readme():
     r = w2v("--help")
     assert r.rc == 0
-    assert {"--dim", "--epochs", "--out", "--show", "--placement", "--lr", "--seed",
-            "--min-count", "--negatives", "--window", "--batch-size", "--device"} <= _options(r.out)
+    assert {
+        "--dim",
+        "--epochs",
+        "--out",
+        "--show",
+        "--placement",
+        "--lr",
+        "--seed",
+        "--min-count",
+        "--negatives",
+        "--window",
+        "--batch-size",
+        "--device",
+    } <= _options(r.out)
     flat = " ".join(r.out.split())
     assert "default 0.01" in flat  # README: Adam's learning rate is 0.01 by default (`--lr`)
     assert "{pinned,cpu,cuda}" in flat
@@ -433,7 +775,9 @@ def _check_seed(run, path, rows, width, ids, dtype, itemsize):
         assert row["check"] == res["check"] == "ok"
         assert same(row["ms"], res["ms"]) and same(row["GB/s"], res["GBps"])
         assert same(row["of limit"], res["of_limit"]) and same(row["x naive"], res["x_naive"])
-        assert res["GBps"] == pytest.approx(data["bytes_moved"] / (res["ms"] * 1e-3) / 1e9, rel=1e-6)
+        assert res["GBps"] == pytest.approx(
+            data["bytes_moved"] / (res["ms"] * 1e-3) / 1e9, rel=1e-6
+        )
         assert res["x_naive"] == pytest.approx(naive[res["kind"]] / res["ms"], rel=1e-6)
     assert skipped_lines(run.stdout) == data["skipped"]
     assert any("CUDA" in s or "GPU" in s for s in data["skipped"])
@@ -499,8 +843,11 @@ def test_bench_bad_subprocess_has_no_traceback(runs):
 @pytest.mark.parametrize("suite", ["", "seed", "sweep", "files", "pipeline", "train", "info"])
 @pytest.mark.parametrize("where", ["missing_dir", "is_dir", "parent_is_file"])
 def test_json_path_checked_before_the_run(work, suite, where):
-    target = {"missing_dir": work / "no-such-dir" / "r.json", "is_dir": work,
-              "parent_is_file": work / "a.npy" / "r.json"}[where]
+    target = {
+        "missing_dir": work / "no-such-dir" / "r.json",
+        "is_dir": work,
+        "parent_is_file": work / "a.npy" / "r.json",
+    }[where]
     t0 = time.time()
     if suite == "info":
         r = gl_cli("info", "--no-measure", "--json", target)
@@ -561,9 +908,17 @@ def test_bench_sweep_validates_before_the_gpu_skip(args, opt):
 
 
 def test_bench_sweep_accepts_every_documented_strategy_and_page_kind():
-    r = bench("sweep", "--strategies",
-               "auto,kernel,sorted,hybrid,torch,kernel-u1,kernel-u16,kernel-v1,kernel-v2,kernel-v4,kernel-v8,kernel-v16",
-               "--pages", "default,thp,hugetlb", "--hybrid-fractions", "0,0.5,1", "--repeats", "1")
+    r = bench(
+        "sweep",
+        "--strategies",
+        "auto,kernel,sorted,hybrid,torch,kernel-u1,kernel-u16,kernel-v1,kernel-v2,kernel-v4,kernel-v8,kernel-v16",
+        "--pages",
+        "default,thp,hugetlb",
+        "--hybrid-fractions",
+        "0,0.5,1",
+        "--repeats",
+        "1",
+    )
     assert r.rc == 0, r.err
     assert "skipped" in r.out and not error_lines(r.err)
 
@@ -582,16 +937,24 @@ def test_bench_files_json_matches_tables(runs, work):
     assert cfg["cache_bytes"] == cfg["random_table_bytes"] // 8  # help: 1/8 of the random table
     assert cfg["ids_per_call"] == 32 and cfg["repeats"] == 1
     load_t, rand_t = md_tables(r.stdout)
-    assert [x["format"] for x in load_t] == [x["format"] for x in data["load"]] == ["npy", "hdf5", "zarr"]
+    assert (
+        [x["format"] for x in load_t]
+        == [x["format"] for x in data["load"]]
+        == ["npy", "hdf5", "zarr"]
+    )
     for row, res in zip(load_t, data["load"], strict=True):
         assert same(row["read into store GB/s"], res["GBps"])
         assert same(row["fraction of disk"], res["fraction_of_disk"])
         assert same(row["incl. allocation GB/s"], res["GBps_with_alloc"])
         assert same(row["fraction"], res["fraction_of_disk_with_alloc"])
         assert row["checked"] == str(res["checked"]) == "True"
-        assert res["fraction_of_disk"] == pytest.approx(res["GBps"] / data["disk"]["read_GBps"], rel=1e-6)
+        assert res["fraction_of_disk"] == pytest.approx(
+            res["GBps"] / data["disk"]["read_GBps"], rel=1e-6
+        )
     assert len(rand_t) == len(data["random"]) == 6
-    base = {x["format"]: x["ms"] for x in data["random"] if not x["method"].startswith("gadgetloader")}
+    base = {
+        x["format"]: x["ms"] for x in data["random"] if not x["method"].startswith("gadgetloader")
+    }
     for row, res in zip(rand_t, data["random"], strict=True):
         assert (row["format"], row["method"]) == (res["format"], res["method"])
         assert same(row["ms"], res["ms"]) and same(row["rows/s"], res["rows_per_s"])
@@ -599,7 +962,9 @@ def test_bench_files_json_matches_tables(runs, work):
         assert row["checked"] == str(res["checked"]) == "True"
         assert res["rows_per_s"] == pytest.approx(cfg["ids_per_call"] / (res["ms"] / 1e3), rel=1e-6)
         if res["method"].startswith("gadgetloader"):
-            assert res["speedup_vs_baseline"] == pytest.approx(base[res["format"]] / res["ms"], rel=1e-6)
+            assert res["speedup_vs_baseline"] == pytest.approx(
+                base[res["format"]] / res["ms"], rel=1e-6
+            )
     assert data["checks_passed"] is True
     assert "all results checked against NumPy: True" in r.stdout
     assert skipped_lines(r.stdout) == data["skipped"] == []
@@ -690,7 +1055,9 @@ def test_bench_pipeline_json_matches_table(runs, work):
     assert [x["workers"] for x in torch_rows] == [0]  # --workers 0 only
     assert data["summary"]["best_torch_workers"] == 0
     sources = {x["source"] for x in res_all}
-    assert any(s.startswith("memory") for s in sources) and any(s.startswith("file") for s in sources)
+    assert any(s.startswith("memory") for s in sources) and any(
+        s.startswith("file") for s in sources
+    )
     assert skipped_lines(r.stdout) == data["skipped"]
 
 
@@ -737,32 +1104,53 @@ def test_bench_train_json_matches_table(runs, work):
     r = ok_run(runs, "train")
     data = json.loads((work / "train.json").read_text())
     cfg = data["config"]
-    assert (cfg["rows"], cfg["dim"], cfg["batch"], cfg["negatives"], cfg["steps"], cfg["repeats"],
-            cfg["warmup"]) == (200, 8, 32, 2, 2, 1, 1)
+    assert (
+        cfg["rows"],
+        cfg["dim"],
+        cfg["batch"],
+        cfg["negatives"],
+        cfg["steps"],
+        cfg["repeats"],
+        cfg["warmup"],
+    ) == (200, 8, 32, 2, 2, 1, 1)
     assert data["device"] == "cpu" and data["memcpy"] is None
     (table,) = md_tables(r.stdout)
     methods = data["methods"]
-    assert [row["method"] for row in table] == list(methods) == ["gpu", "speedtorch", "switchers", "dropin", "resident"]
+    assert (
+        [row["method"] for row in table]
+        == list(methods)
+        == ["gpu", "speedtorch", "switchers", "dropin", "resident"]
+    )
     for row in table:
         m = methods[row["method"]]
         assert row["tables"] == m["placement"]
         assert same(row["steps/s"], m["steps_per_s"]) and same(row["ms/step"], m["ms_per_step"])
         assert same(row["MB over PCIe/step"], m["bytes_per_step"] / 1e6) or same(
-            row["MB over PCIe/step"], m["bytes_per_step"] / 2**20)
+            row["MB over PCIe/step"], m["bytes_per_step"] / 2**20
+        )
         assert row["floor ms"] == "-" and row["x floor"] == "-"  # no memcpy ceiling without CUDA
         v = data["verified"].get(row["method"])
         assert row["checked"] == ("n/a" if v is None else str(v))
         assert m["steps_per_s"] == pytest.approx(1000 / m["ms_per_step"], rel=1e-6)
     assert data["verified"] == {"gpu": True, "switchers": True, "dropin": True}
     st = methods["speedtorch"]["ms_per_step"]
-    assert data["speedup_switchers_vs_speedtorch"] == pytest.approx(st / methods["switchers"]["ms_per_step"], rel=1e-6)
-    assert data["speedup_dropin_vs_speedtorch"] == pytest.approx(st / methods["dropin"]["ms_per_step"], rel=1e-6)
+    assert data["speedup_switchers_vs_speedtorch"] == pytest.approx(
+        st / methods["switchers"]["ms_per_step"], rel=1e-6
+    )
+    assert data["speedup_dropin_vs_speedtorch"] == pytest.approx(
+        st / methods["dropin"]["ms_per_step"], rel=1e-6
+    )
     assert data["dropin_x_resident"] == pytest.approx(
-        methods["dropin"]["ms_per_step"] / methods["resident"]["ms_per_step"], rel=1e-6)
+        methods["dropin"]["ms_per_step"] / methods["resident"]["ms_per_step"], rel=1e-6
+    )
     m = re.search(r"switchers ([\d.]+)x, drop-in ([\d.]+)x", r.stdout)
     assert m  # printed with two decimals
-    assert float(m.group(1)) == pytest.approx(data["speedup_switchers_vs_speedtorch"], abs=0.006, rel=0.01)
-    assert float(m.group(2)) == pytest.approx(data["speedup_dropin_vs_speedtorch"], abs=0.006, rel=0.01)
+    assert float(m.group(1)) == pytest.approx(
+        data["speedup_switchers_vs_speedtorch"], abs=0.006, rel=0.01
+    )
+    assert float(m.group(2)) == pytest.approx(
+        data["speedup_dropin_vs_speedtorch"], abs=0.006, rel=0.01
+    )
     assert skipped_lines(r.stdout) == data["skipped"]
     assert any("CUDA" in s for s in data["skipped"])
 
@@ -818,19 +1206,45 @@ def test_bench_train_bad_values_refused(args, opt):
 # (--rows 0, --dir FILE, --chunk-rows x); these siblings should not exit differently.
 
 STATUS_PAIRS = [
-    ("files --dir", ["bench", "files", "--dir", "/no-such-dir-cli31"], ["bench", "files", "--dir", "{a}"]),
-    ("files --formats", ["bench", "files", "--formats", "bogus"], ["bench", "files", "--width", "0"]),
-    ("sweep --sizes-gb", ["bench", "sweep", "--sizes-gb", "0"], ["bench", "sweep", "--repeats", "0"]),
-    ("pipeline --width", ["bench", "pipeline", "--width", "2"], ["bench", "pipeline", "--width", "0"]),
-    ("train --methods", ["bench", "train", "--methods", "bogus"], ["bench", "train", "--steps", "0"]),
-    ("convert --chunk-rows", ["convert", "{a}", "{d}", "--chunk-rows", "0"],
-     ["convert", "{a}", "{d}", "--chunk-rows", "x"]),
+    (
+        "files --dir",
+        ["bench", "files", "--dir", "/no-such-dir-cli31"],
+        ["bench", "files", "--dir", "{a}"],
+    ),
+    (
+        "files --formats",
+        ["bench", "files", "--formats", "bogus"],
+        ["bench", "files", "--width", "0"],
+    ),
+    (
+        "sweep --sizes-gb",
+        ["bench", "sweep", "--sizes-gb", "0"],
+        ["bench", "sweep", "--repeats", "0"],
+    ),
+    (
+        "pipeline --width",
+        ["bench", "pipeline", "--width", "2"],
+        ["bench", "pipeline", "--width", "0"],
+    ),
+    (
+        "train --methods",
+        ["bench", "train", "--methods", "bogus"],
+        ["bench", "train", "--steps", "0"],
+    ),
+    (
+        "convert --chunk-rows",
+        ["convert", "{a}", "{d}", "--chunk-rows", "0"],
+        ["convert", "{a}", "{d}", "--chunk-rows", "x"],
+    ),
 ]
 
 
-@pytest.mark.parametrize("bad,sibling", [p[1:] for p in STATUS_PAIRS], ids=[p[0] for p in STATUS_PAIRS])
+@pytest.mark.parametrize(
+    "bad,sibling", [p[1:] for p in STATUS_PAIRS], ids=[p[0] for p in STATUS_PAIRS]
+)
 def test_bad_values_share_one_exit_status(work, bad, sibling):
     fill = {"{a}": str(work / "a.npy"), "{d}": str(work / "status.h5")}
+
     def go(argv):
         argv = [fill.get(x, x) for x in argv]
         return bench(*argv[1:]) if argv[0] == "bench" else gl_cli(*argv)
@@ -950,21 +1364,24 @@ def test_convert_zarr_compression_options(work, comp):
     assert np.array_equal(z[...], np.load(work / "a.npy"))
 
 
-@pytest.mark.parametrize("dst,args,frag", [
-    ("bad1.h5", ["--compression", "zstd"], "zstd"),
-    ("bad2.zarr", ["--compression", "lzf"], "lzf"),
-    ("bad3.h5", ["--compression", "bogus"], "bogus"),
-    ("bad4.npy", ["--compression", "gzip"], "--compression"),
-    ("bad5.npy", ["--chunk-rows", "4"], "--chunk-rows"),
-    ("bad6.h5", ["--chunk-rows", "0"], "--chunk-rows"),
-    ("bad7.h5", ["--chunk-rows", "-3"], "--chunk-rows"),
-    ("bad8.bin", [], "--to"),
-    ("bad9.bin", ["--to", "bogus"], "bogus"),
-    ("bad10.h5", ["--format", "bogus"], "bogus"),
-    ("bad11.h5", ["--format", "hdf5"], "hdf5"),
-    ("bad12.h5", ["--dst-dataset", "../x"], "../x"),
-    ("bad13.h5", ["--progress", "--no-progress"], "--no-progress"),
-])
+@pytest.mark.parametrize(
+    "dst,args,frag",
+    [
+        ("bad1.h5", ["--compression", "zstd"], "zstd"),
+        ("bad2.zarr", ["--compression", "lzf"], "lzf"),
+        ("bad3.h5", ["--compression", "bogus"], "bogus"),
+        ("bad4.npy", ["--compression", "gzip"], "--compression"),
+        ("bad5.npy", ["--chunk-rows", "4"], "--chunk-rows"),
+        ("bad6.h5", ["--chunk-rows", "0"], "--chunk-rows"),
+        ("bad7.h5", ["--chunk-rows", "-3"], "--chunk-rows"),
+        ("bad8.bin", [], "--to"),
+        ("bad9.bin", ["--to", "bogus"], "bogus"),
+        ("bad10.h5", ["--format", "bogus"], "bogus"),
+        ("bad11.h5", ["--format", "hdf5"], "hdf5"),
+        ("bad12.h5", ["--dst-dataset", "../x"], "../x"),
+        ("bad13.h5", ["--progress", "--no-progress"], "--no-progress"),
+    ],
+)
 def test_convert_bad_options_refused_before_writing(work, dst, args, frag):
     src = work / "a.npy"
     before = src.read_bytes()
@@ -991,7 +1408,12 @@ def test_convert_refuses_its_own_source_also_through_links(work):
     before = src.read_bytes()
     os.symlink(src, d / "sym.npy")
     os.link(src, d / "hard.npy")
-    for a, b in [(src, src), (src, d / "sym.npy"), (d / "hard.npy", src), (d / "sym.npy", d / "hard.npy")]:
+    for a, b in [
+        (src, src),
+        (src, d / "sym.npy"),
+        (d / "hard.npy", src),
+        (d / "sym.npy", d / "hard.npy"),
+    ]:
         r = gl_cli("convert", a, b)
         assert_one_line_error(r, "same file")
         assert src.read_bytes() == before
@@ -1091,7 +1513,9 @@ def test_convert_zarr_group_needs_dataset_and_zarr_v2_source(work):
     assert r.rc == 0 and np.array_equal(np.load(work / "grp.npy"), np.ones((2, 2), np.float32))
     v2 = work / "v2.zarr"
     arr = np.arange(30, dtype=np.float32).reshape(10, 3)
-    z = zarr.open_array(v2, mode="w", shape=arr.shape, dtype=arr.dtype, chunks=(4, 3), zarr_format=2)
+    z = zarr.open_array(
+        v2, mode="w", shape=arr.shape, dtype=arr.dtype, chunks=(4, 3), zarr_format=2
+    )
     z[...] = arr
     r = gl_cli("convert", v2, work / "v2.npy")
     assert r.rc == 0, r.err
@@ -1108,7 +1532,9 @@ def test_convert_format_from_content_and_forced_destination(work):
     assert np.array_equal(_read("h5", work / "content.h5"), np.load(work / "a.npy"))
     r = gl_cli("convert", work / "a.npy", work / "forced.dat", "--to", "zarr")
     assert r.rc == 0, r.err
-    assert np.array_equal(np.asarray(zarr.open_array(work / "forced.dat", mode="r")[...]), np.load(work / "a.npy"))
+    assert np.array_equal(
+        np.asarray(zarr.open_array(work / "forced.dat", mode="r")[...]), np.load(work / "a.npy")
+    )
     r = gl_cli("convert", work / "content.h5", work / "back.npy", "--format", "hdf5")
     assert r.rc == 0 and np.array_equal(np.load(work / "back.npy"), np.load(work / "a.npy"))
 
@@ -1145,7 +1571,9 @@ def test_convert_bfloat16_between_hdf5_and_zarr_and_refused_to_npy(work):
     for p in (work / "bf.zarr", work / "bf2.h5"):
         g = gl.DataGadget(str(p), placement="cpu")
         got = g.getData(torch.arange(4))
-        assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), t.view(torch.int16))
+        assert got.dtype == torch.bfloat16 and torch.equal(
+            got.view(torch.int16), t.view(torch.int16)
+        )
     r = gl_cli("convert", src, work / "bf.npy")
     assert_one_line_error(r, "bfloat16")
     assert not (work / "bf.npy").exists()
@@ -1198,7 +1626,9 @@ def test_word2vec_outputs_vocab_and_vectors(runs, work):
     assert vec.dtype == np.float32 and vec.shape == (len(words), 8)
     assert np.isfinite(vec).all()
     # lower-cased like the corpus, read as UTF-8
-    assert sorted(words) == sorted(["king", "queen", "man", "woman", "royal", "café", "crown", "throne"])
+    assert sorted(words) == sorted(
+        ["king", "queen", "man", "woman", "royal", "café", "crown", "throne"]
+    )
     assert sum(counts) == 1500
     assert counts == sorted(counts, reverse=True)
     assert f"vocabulary {len(words)} words" in r.stdout
@@ -1231,7 +1661,9 @@ def test_word2vec_show_neighbours_match_saved_vectors(runs, work):
         cs = [float(p[1]) for p in pairs]
         assert cs == sorted(cs, reverse=True)
         assert set(got) == set(order) or all(  # ties within rounding may swap
-            abs(cos[words.index(a)] - cos[words.index(b)]) < 0.01 for a, b in zip(got, order, strict=True))
+            abs(cos[words.index(a)] - cos[words.index(b)]) < 0.01
+            for a, b in zip(got, order, strict=True)
+        )
 
 
 def test_word2vec_same_seed_same_vectors(runs, work):
@@ -1240,7 +1672,9 @@ def test_word2vec_same_seed_same_vectors(runs, work):
     a = np.load(work / "w2v_out" / "v.npy")
     b = np.load(work / "w2v_out2" / "v.npy")
     assert np.array_equal(a, b)
-    assert (work / "w2v_out" / "v.vocab.txt").read_text() == (work / "w2v_out2" / "v.vocab.txt").read_text()
+    assert (work / "w2v_out" / "v.vocab.txt").read_text() == (
+        work / "w2v_out2" / "v.vocab.txt"
+    ).read_text()
 
 
 def test_word2vec_save_failing_after_training_is_one_line_error(runs, work):
@@ -1302,11 +1736,14 @@ def test_word2vec_missing_corpus_is_one_line_error(work):
     assert_one_line_error(r, str(work))
 
 
-@pytest.mark.parametrize("text,extra", [
-    ("one one one\n", []),
-    ("", []),
-    ("a b a b c\n", ["--min-count", "5"]),
-])
+@pytest.mark.parametrize(
+    "text,extra",
+    [
+        ("one one one\n", []),
+        ("", []),
+        ("a b a b c\n", ["--min-count", "5"]),
+    ],
+)
 def test_word2vec_fewer_than_two_words_exit_1(work, text, extra):
     p = work / f"small_{len(text)}_{len(extra)}.txt"
     p.write_text(text)

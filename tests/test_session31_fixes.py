@@ -456,3 +456,30 @@ def test_word2vec_training_that_diverges_stops_and_writes_nothing(tmp_path) -> N
 def test_word2vec_device_is_checked_before_training(device: str, tmp_path) -> None:
     p = _run(["-m", "datasets.word2vec", str(tmp_path / "missing.txt"), "--device", device])
     assert p.returncode == 2 and "argument --device" in p.stderr and device in p.stderr
+
+
+@pytest.mark.parametrize("strategy", ["auto", "kernel", "sorted", "hybrid", "torch"])
+@pytest.mark.parametrize("kind", ["gather", "scatter"])
+def test_a_cpu_table_moves_with_torch_even_where_cupy_is_present(
+    strategy: str, kind: str, monkeypatch
+) -> None:
+    """The row kernels address tables through CUDA pointers: a CPU tensor given to the
+    engine (``gadgetloader.transfer``) must never reach them (on the H200 it was an illegal
+    memory access that poisoned the process)."""
+    import torch
+
+    import gadgetloader.transfer as tr
+    from gadgetloader.transfer import _engine
+
+    monkeypatch.setattr(_engine, "cupy_available", lambda: True)
+    t = torch.arange(40.0).reshape(10, 4)
+    assert tr.resolve_strategy(strategy, t, 5000, t, kind=kind) == "torch"
+    ids = torch.tensor([3, 1, 3, 7])
+    if kind == "gather":
+        torch.testing.assert_close(tr.gather(t, ids, strategy=strategy), t[ids], rtol=0, atol=0)
+    else:
+        expect = t.clone()
+        expect[torch.tensor([1, 7, 3])] = torch.tensor([[1.0] * 4, [3.0] * 4, [2.0] * 4])
+        rows = torch.tensor([[0.0] * 4, [1.0] * 4, [2.0] * 4, [3.0] * 4])
+        tr.scatter(t, ids, rows, strategy=strategy)  # the last of the repeated 3s wins
+        torch.testing.assert_close(t, expect, rtol=0, atol=0)

@@ -108,8 +108,8 @@ def resolve_strategy(
     process, see :data:`_TUNED`).
     Scatters merge repeated ids by sorting them (which also walks a large table in
     address order) or, on small tables, by a sort-free pass (see :func:`scatter`), so
-    ``auto`` scatters with ``kernel``. Without CuPy every strategy but ``torch`` becomes
-    ``torch``.
+    ``auto`` scatters with ``kernel``. Without CuPy, and for a table that is not on a CUDA
+    device (a CPU tensor, which the GPU cannot address), every strategy becomes ``torch``.
     """
     if not isinstance(strategy, str):
         raise GadgetTypeError(
@@ -119,7 +119,10 @@ def resolve_strategy(
         raise GadgetKeyError(f"Unknown strategy {strategy!r}; expected one of {list(STRATEGIES)}")
     if kind not in ("gather", "scatter"):
         raise GadgetKeyError(f"Unknown kind {kind!r}; expected 'gather' or 'scatter'")
-    if not cupy_available() and strategy != "torch":
+    if strategy != "torch" and (not cupy_available() or table.device.type not in ("cuda", "meta")):
+        # the row kernels read and write through CUDA addresses: a table the GPU cannot
+        # address (a CPU tensor) moves with torch's indexing whatever was asked (a "meta"
+        # tensor, sizes without memory, asks which strategy a CUDA table of its size gets)
         return "torch"
     if strategy == "hybrid" and host is None:
         return "sorted"
