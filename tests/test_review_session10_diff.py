@@ -97,6 +97,7 @@ def _recorder(monkeypatch: pytest.MonkeyPatch, name: str) -> list[dict]:
 
     monkeypatch.setattr(_kernels, name, record)
     monkeypatch.setattr(_engine, "cupy_available", lambda: True)
+    monkeypatch.setattr(_engine, "_gpu_addressable", lambda t: True)  # CPU stand-ins
     return calls
 
 

@@ -729,6 +729,7 @@ def _record_launches(monkeypatch) -> list[dict]:
 
     monkeypatch.setattr(_kernels, "launch_scatter", launch)
     monkeypatch.setattr(_engine, "cupy_available", lambda: True)
+    monkeypatch.setattr(_engine, "_gpu_addressable", lambda t: True)  # CPU stand-ins
     monkeypatch.setattr(_base, "_fused_views", fused_views)
     return calls
 

@@ -1011,8 +1011,12 @@ def test_cli_convert_round_trip_and_errors(tmp_path, capsys):
     assert np.array_equal(np.load(src), A)
     rc, out = _cli(["convert", str(tmp_path / "missing.npy"), str(tmp_path / "y.h5")], capsys)
     assert rc == 1 and "missing.npy" in out.err
-    rc, out = _cli(["convert", str(src), str(tmp_path / "y.h5"), "--chunk-rows", "0"], capsys)
-    assert rc == 1 and "--chunk-rows" in out.err
+    # a usage error since session 31 (argparse checks --chunk-rows): exit status 2
+    from gadgetloader.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", str(src), str(tmp_path / "y.h5"), "--chunk-rows", "0"])
+    assert exit_info.value.code == 2 and "--chunk-rows" in capsys.readouterr().err
     rc, out = _cli(["convert", str(src), str(tmp_path / "y.npy"), "--dst-dataset", "q"], capsys)
     assert rc == 1
     assert not (tmp_path / "y.h5").exists() and not (tmp_path / "y.npy").exists()

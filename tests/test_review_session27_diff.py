@@ -131,6 +131,7 @@ def emu27(monkeypatch: pytest.MonkeyPatch) -> _Emu27:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
     monkeypatch.setattr(_engine, "cupy_available", lambda: True)
+    monkeypatch.setattr(_engine, "_gpu_addressable", lambda t: True)  # CPU stand-ins
 
     for name in (
         "launch_gather",

@@ -1870,7 +1870,10 @@ def test_float16_table_matches_to_rounding():
     run_ref_steps(ref, steps)
     got = table(emb.weight)
     assert got.dtype == torch.float16
-    torch.testing.assert_close(got, ref.P["t"].detach())
+    # "to rounding": each float16 step may round a value differently on a tensor of the
+    # step's rows than on the whole table (and CPUs' half kernels differ), and three steps
+    # with momentum compound that to a few units in the last place
+    torch.testing.assert_close(got, ref.P["t"].detach(), rtol=1e-2, atol=1e-4)
 
 
 def test_empty_lookup_leaves_table_and_state():

@@ -545,6 +545,7 @@ def simulated_engine(monkeypatch):
                 o[pos] = t[ids]
 
     monkeypatch.setattr(_engine, "cupy_available", lambda: True)
+    monkeypatch.setattr(_engine, "_gpu_addressable", lambda t: True)  # CPU stand-ins
     monkeypatch.setattr(_engine, "SORT_ABOVE_BYTES", 0)
     monkeypatch.setattr(_engine, "HYBRID_GAP_BYTES", 0)
     monkeypatch.setattr(_engine, "HYBRID_MIN_IDS", 1)

@@ -25,6 +25,7 @@ def _recorder(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 
     monkeypatch.setattr(_kernels, "launch_scatter", record)
     monkeypatch.setattr(_engine, "cupy_available", lambda: True)
+    monkeypatch.setattr(_engine, "_gpu_addressable", lambda t: True)  # CPU stand-ins
     return calls
 
 

@@ -85,6 +85,14 @@ def set_hybrid_fraction(fraction: float) -> None:
     _hybrid["fraction"] = float(fraction)
 
 
+def _gpu_addressable(table: torch.Tensor) -> bool:
+    """Whether the row kernels can address ``table``: a CUDA tensor (a ``pinned`` table's
+    device view is one), or a "meta" tensor, sizes without memory, which asks what
+    strategy a CUDA table of its size would get. (Tests that emulate the kernels on the
+    CPU replace this.)"""
+    return table.device.type in ("cuda", "meta")
+
+
 def resolve_strategy(
     strategy: str,
     table: torch.Tensor,
@@ -119,10 +127,9 @@ def resolve_strategy(
         raise GadgetKeyError(f"Unknown strategy {strategy!r}; expected one of {list(STRATEGIES)}")
     if kind not in ("gather", "scatter"):
         raise GadgetKeyError(f"Unknown kind {kind!r}; expected 'gather' or 'scatter'")
-    if strategy != "torch" and (not cupy_available() or table.device.type not in ("cuda", "meta")):
+    if strategy != "torch" and (not cupy_available() or not _gpu_addressable(table)):
         # the row kernels read and write through CUDA addresses: a table the GPU cannot
-        # address (a CPU tensor) moves with torch's indexing whatever was asked (a "meta"
-        # tensor, sizes without memory, asks which strategy a CUDA table of its size gets)
+        # address (a CPU tensor) moves with torch's indexing whatever was asked
         return "torch"
     if strategy == "hybrid" and host is None:
         return "sorted"
