@@ -1226,7 +1226,7 @@ def test_pytorchmodelfactory_saveTorch_loadTorch(tmp_path):
     t = sw.getNumpyVersion()
     p = str(tmp_path / "emb.pt")
     sw.saveTorch(p)
-    saved = torch.load(p)
+    saved = torch.load(p, weights_only=True)
     assert isinstance(saved, torch.Tensor) and saved.device.type == "cpu"
     np.testing.assert_array_equal(saved.numpy(), t)
     sw.zerosInit()
@@ -1563,7 +1563,7 @@ def test_optimizer_saveTorch_loadTorch_dict_and_list(tmp_path):
     assert st["exp_avg"].any() and not np.array_equal(st["exp_avg"], st["exp_avg_sq"])
     p = str(tmp_path / "opt.pt")
     osw.saveTorch(p)
-    saved = torch.load(p)
+    saved = torch.load(p, weights_only=True)
     assert isinstance(saved, dict) and set(saved) == set(st)
     for k, v in saved.items():
         assert v.device.type == "cpu"
