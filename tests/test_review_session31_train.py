@@ -1543,7 +1543,7 @@ def test_optimizer_switcher_save_load_torch_round_trip(tmp_path):
     st = {k: np.array(v) for k, v in uo.getNumpyVersion().items()}
     assert st["exp_avg"][1].any()
     uo.saveTorch(tmp_path / "s.pt")
-    saved = torch.load(tmp_path / "s.pt")
+    saved = torch.load(tmp_path / "s.pt", weights_only=True)
     assert set(saved) == set(st)
     uo.customInit(torch.nn.init.zeros_)
     uo.loadTorch(tmp_path / "s.pt")
