@@ -100,6 +100,11 @@ def as_torch_dtype(dtype: Any) -> torch.dtype:
                         "fits: arrays, tensors, and files loaded into memory)"
                     )
                 )
+            elif npd.kind == "f":
+                hint = (
+                    " (pass dtype='float64', or another float dtype, to convert an array "
+                    "source on the way in)"
+                )
             elif npd.kind == "c":
                 hint = " (complex tables are not supported; store the real and imaginary parts)"
             raise GadgetTypeError(

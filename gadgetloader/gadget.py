@@ -312,6 +312,18 @@ def _unsigned_to(a: np.ndarray, target: torch.dtype, where: str = "the source ar
     return a.astype(npd)
 
 
+def _longdouble_to_float64(a: np.ndarray) -> np.ndarray:
+    """A long-double array (no torch dtype) as float64, on its way to a ``dtype=`` given
+    with it; refused where a finite value is beyond float64's range."""
+    with np.errstate(over="ignore"):
+        out = a.astype(np.float64)
+    if a.size and np.count_nonzero(np.isinf(out)) != np.count_nonzero(np.isinf(a)):
+        raise GadgetValueError(
+            f"the source array holds {a.dtype} values beyond float64's range (nothing was loaded)"
+        )
+    return out
+
+
 class DataGadget:
     """A table of rows -- embeddings, features, labels -- that the GPU gathers from and scatters to.
 
@@ -474,6 +486,14 @@ class DataGadget:
                 and dtype is not None
             ):
                 fileName = _unsigned_to(fileName, as_torch_dtype(dtype))
+            if (
+                isinstance(fileName, np.ndarray)
+                and fileName.dtype.kind == "f"
+                and fileName.dtype.itemsize > 8
+                and dtype is not None
+                and as_torch_dtype(dtype).is_floating_point
+            ):
+                fileName = _longdouble_to_float64(fileName)
             if isinstance(fileName, (bool, int, float, complex, dict, set)) or fileName is None:
                 raise GadgetTypeError(
                     "a DataGadget's source must be a shape (a tuple of ints, e.g. (1000, 64)), "
@@ -1083,9 +1103,12 @@ class DataGadget:
                 kind = "a list" if arr is None else f"a NumPy {type(dataObject).__name__}"
                 raise GadgetTypeError(
                     f"insertData expected {dtype_name(self.dtype)} data (the table's dtype) but "
-                    f"got {kind} of {dtype}; convert it with np.asarray(data, "
-                    f"dtype='{dtype_name(self.dtype)}')"
-                    + (" (bfloat16: through torch)" if self.dtype == torch.bfloat16 else "")
+                    f"got {kind} of {dtype}; convert it with "
+                    + (
+                        "torch.as_tensor(data).to(torch.bfloat16) (NumPy has no bfloat16)"
+                        if self.dtype == torch.bfloat16
+                        else f"np.asarray(data, dtype='{dtype_name(self.dtype)}')"
+                    )
                 )
         data = as_tensor_data(dataObject)
         if data.dtype != self.dtype:
