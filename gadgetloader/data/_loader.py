@@ -74,7 +74,9 @@ class GadgetLoader:
         ``batch_sampler`` and ``collate_fn`` itself: giving any of them here is a
         ``GadgetTypeError`` (use ``order=`` or ``sampler=``). ``sampler`` and
         ``drop_last`` are this loader's own parameters (a ``GadgetSampler``, and the
-        sampler option above), not DataLoader's.
+        sampler option above), not DataLoader's. A ``generator`` given here
+        seeds only the workers' random state, as in DataLoader; the batch order
+        comes from ``seed=`` (or the given sampler) alone.
 
     Notes
     -----

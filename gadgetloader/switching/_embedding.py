@@ -629,6 +629,8 @@ class OffloadedEmbedding(_OffloadedTable):
         available, else ``cpu`` (silently; ``cuda`` or ``pinned`` asked for by name on
         such a machine falls back to ``cpu`` with a ``FallbackWarning``, once a process).
     dtype : default float32
+        A floating-point dtype (float16, bfloat16, float32, float64); an integer
+        or bool dtype is a ``GadgetTypeError``, as torch's embeddings are trained.
     device : optional
         Where lookups are delivered and the optimizer step runs (default: the
         current CUDA device, else the CPU).
@@ -1320,7 +1322,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Page in the used rows and their state, run the torch step, write both back."""
+        """Page in the used rows and their state, run the torch step, write both back.
+
+        A ``closure`` (as torch's optimizers take it) is called first, with grad
+        enabled, and its loss is returned."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

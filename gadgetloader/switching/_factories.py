@@ -127,6 +127,9 @@ class OptimizerFactory(OptimizerSwitch):
 
     Call :meth:`optInit` once, then ``beforeForwardPass`` / ``afterOptimizerStep`` each
     step with the same ids as the model switcher. See :class:`OptimizerSwitch`.
+    The state tables have ``dtype`` (default float32, as in SpeedTorch, not the model
+    factory's ``datatype``): give a float64 model factory ``dtype='float64'`` here too, or
+    its state is rounded to float32 at each write-back.
     """
 
     def __init__(
@@ -154,7 +157,8 @@ class OptimizerFactory(OptimizerSwitch):
 
 class PytorchOptimizerFactory(OptimizerSwitch):
     """SpeedTorch's torch-tensor optimizer-state switcher (``deviceType`` / ``pinType`` as
-    for :class:`PytorchModelFactory`)."""
+    for :class:`PytorchModelFactory`). Its state tables have ``dtype`` (default float32,
+    as for :class:`OptimizerFactory`)."""
 
     def __init__(
         self,
