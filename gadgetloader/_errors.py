@@ -52,8 +52,8 @@ class GadgetFileError(GadgetError, OSError):
     """A file that exists but cannot be used (truncated, wrong format, ...)."""
 
 
-class GadgetFileNotFoundError(GadgetError, FileNotFoundError):
-    """A path that does not exist."""
+class GadgetFileNotFoundError(GadgetFileError, FileNotFoundError):
+    """A path that does not exist (a :class:`GadgetFileError` and a ``FileNotFoundError``)."""
 
 
 class ReadOnlyError(GadgetError, PermissionError):

@@ -208,7 +208,12 @@ def _main(argv: Sequence[str] | None) -> int:
             return 130
         return _write_json(getattr(args, "json", None), result, "bench")
     if args.command == "convert":
-        return int(importlib.import_module("gadgetloader.convert").run(args) or 0)
+        from .bench._common import OptionError
+
+        try:
+            return int(importlib.import_module("gadgetloader.convert").run(args) or 0)
+        except OptionError as exc:  # a bad option value found after parsing
+            parser.error(str(exc))
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

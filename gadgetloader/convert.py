@@ -205,7 +205,9 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``gadgetloader convert``; prints one line and returns the exit status."""
+    """Run ``gadgetloader convert``; prints one line and returns the exit status (an
+    option value the formats do not take raises ``bench.OptionError``, which the command
+    line reports as a usage error, exit status 2)."""
     try:
         info = convert(
             args.src,
@@ -239,6 +241,17 @@ def run(args: argparse.Namespace) -> int:
             )
         if msg.startswith("Unknown format"):
             msg = f"{msg} (--format names the source's format, --to the destination's)"
+        if (
+            msg.startswith("Unknown format")
+            or " compression (--compression) '" in msg
+            or "unexpected option --" in msg
+            or "--dataset / dataset= names the array inside the source" in msg
+        ):
+            # an option value the destination (or source) format does not take: a usage
+            # error, as argparse reports its own (exit status 2)
+            from .bench._common import OptionError
+
+            raise OptionError(msg) from exc
         print(f"gadgetloader convert: error: {msg}", file=sys.stderr)
         return 1
     except OSError as exc:  # the file system's refusal (a path through a file, no space...)

@@ -1414,7 +1414,10 @@ def test_cli_convert_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "uint16" in err and "int32" in err
     assert not (tmp_path / "o.h5").exists()
     np.save(src, np.ones((3, 3), np.float32))
-    assert cli_main(["convert", str(src), str(tmp_path / "o.h5"), "--compression", "zstd"]) == 1
+    # a compression the destination format does not take: a usage error (session 32)
+    with pytest.raises(SystemExit) as info:
+        cli_main(["convert", str(src), str(tmp_path / "o.h5"), "--compression", "zstd"])
+    assert info.value.code == 2
     assert "zstd" in capsys.readouterr().err
     assert cli_main(["convert", str(src), str(src)]) == 1
     assert not (tmp_path / "o.h5").exists()

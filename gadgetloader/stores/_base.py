@@ -24,6 +24,7 @@ from typing import Any, ClassVar, NoReturn
 
 import torch
 
+from .._dtypes import dtype_name
 from .._errors import GadgetClosedError, ReadOnlyError
 from .._ids import last_writer
 from ..transfer import _engine
@@ -128,12 +129,19 @@ class Store(abc.ABC):
                 raise StoreRetired(
                     f"this {self.placement} table was reloaded by another thread during this call"
                 )
-            raise GadgetClosedError(f"this {self.placement} store is closed")
+            raise GadgetClosedError(
+                f"this {self._describe()} is closed; open it again (e.g. a new DataGadget) "
+                "to use its rows"
+            )
 
     def check_writable(self) -> None:
         self.check_open()
         if not self.supports_writes:
             raise ReadOnlyError(f"this {self.placement} store is read-only")
+
+    def _describe(self) -> str:
+        """The table in a few words, for messages."""
+        return f"{self.placement} table ({tuple(self._shape)} {dtype_name(self._dtype)})"
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""

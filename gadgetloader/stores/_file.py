@@ -374,6 +374,10 @@ class FileStore(Store):
                 "memory (placement='cpu', 'pinned' or 'cuda')"
             )
 
+    def _describe(self) -> str:
+        ds = f" dataset {self._dataset!r}" if self._dataset else ""
+        return f"file table {self._path!r}{ds}"
+
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
         ds = f"[{self._dataset!r}]" if self._dataset else ""

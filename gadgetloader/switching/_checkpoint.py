@@ -35,6 +35,7 @@ from .._errors import (
     GadgetKeyError,
     GadgetTypeError,
     GadgetValueError,
+    as_flag,
     table_mismatch,
 )
 from .._paths import as_path
@@ -260,6 +261,7 @@ def save_checkpoint(
         An unknown ``format``.
     """
     _check_objects(objects, "save_checkpoint")
+    progress = as_flag(progress, "progress", allow_none=True)  # before the directory exists
     ext = _extension(format)
     _check_switchers_saved(objects)
     for name, obj in objects.items():
@@ -715,8 +717,7 @@ def load_checkpoint(
         A table of the objects is closed (nothing is loaded).
     """
     _check_objects(objects, "load_checkpoint")
-    if not isinstance(verify, bool):
-        raise GadgetTypeError(f"verify must be True or False; got {verify!r}")
+    verify = bool(as_flag(verify, "verify"))
     d = as_path(directory)
     meta_path = os.path.join(d, _META)
     if not os.path.exists(meta_path):
