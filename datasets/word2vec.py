@@ -12,8 +12,9 @@ Usage::
     python -m datasets.word2vec corpus.txt --dim 128 --epochs 1 --out vectors
 
 writes ``vectors.npy`` (the input embeddings, one row per word) and
-``vectors.vocab.txt`` (the words in row order, with counts). Bad arguments exit with
-status 2, a corpus too small to train on or a failed save with status 1, each with a
+``vectors.vocab.txt`` (the words in row order, with counts). Bad arguments (a missing
+corpus and an unusable ``--out`` too) exit with status 2; a corpus too small to train on,
+training that diverged, sizes beyond memory or a failed save with status 1; each with a
 one-line message.
 """
 
@@ -34,7 +35,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import gadgetloader as gl
-from gadgetloader.bench._common import learning_rate
+from gadgetloader.bench._common import MAX_LEARNING_RATE, learning_rate
 
 __all__ = ["SkipGram", "Vocab", "Word2VecResult", "build_vocab", "main", "skipgram_pairs", "train"]
 
@@ -220,11 +221,30 @@ def train(
     Raises
     ------
     ValueError
-        Bad settings, a corpus with fewer than two distinct words, or training that
-        diverged (an epoch's loss is not finite: ``lr`` is too large for the corpus).
+        Bad settings (whole numbers below 1 -- ``seed`` below 0 -- or not whole numbers,
+        ``negatives`` above 2**20, ``lr`` not above 0 or above 1e30), a corpus with fewer
+        than two distinct words, or training that diverged (an epoch's loss, or a value
+        of the vectors an epoch leaves, is not finite: ``lr`` is too large).
     """
-    if not (isinstance(chunk_tokens, int) and chunk_tokens >= 1):
-        raise ValueError(f"chunk_tokens must be a whole number of at least 1; got {chunk_tokens!r}")
+    _check_settings(
+        dim=dim,
+        epochs=epochs,
+        window=window,
+        negatives=negatives,
+        batch_size=batch_size,
+        min_count=min_count,
+        seed=seed,
+        chunk_tokens=chunk_tokens,
+    )
+    if (
+        isinstance(lr, bool)
+        or not isinstance(lr, (int, float))
+        or not 0 < lr <= MAX_LEARNING_RATE  # (nan fails this too)
+    ):
+        raise ValueError(
+            f"lr must be a number above 0 and at most {MAX_LEARNING_RATE:g} (float32 Adam "
+            f"steps overflow beyond); got {lr!r}"
+        )
     vocab, ids = build_vocab(corpus, min_count)
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
@@ -278,10 +298,53 @@ def train(
                 f"training diverged: the loss of epoch {len(losses)} is {losses[-1]} "
                 f"(lr {lr}); lower the learning rate"
             )
+        # an epoch's loss is measured before each of its steps: its last step may still
+        # have left values that are not finite (a corpus of one batch shows nothing else)
+        for name, emb in (("input", model.u), ("output", model.v)):
+            if not _all_finite(emb.table):
+                raise ValueError(
+                    f"training diverged: epoch {len(losses)} left values that are not finite "
+                    f"in the {name} vectors (lr {lr}); lower the learning rate"
+                )
     return Word2VecResult(vocab, model, losses)
 
 
-def _count(low: int, high: int = 2**63 - 1) -> Any:
+#: the whole-number settings of :func:`train` and the command line: (least, most)
+_LIMITS: dict[str, tuple[int, int]] = {
+    "dim": (1, 2**63 - 1),
+    "epochs": (1, 2**63 - 1),
+    "window": (1, 2**63 - 1),
+    "negatives": (1, 1 << 20),
+    "batch_size": (1, 2**63 - 1),
+    "min_count": (1, 2**63 - 1),
+    "seed": (0, 2**63 - 1),
+    "chunk_tokens": (1, 2**63 - 1),
+}
+
+
+def _check_settings(**settings: Any) -> None:
+    """``ValueError`` for a whole-number setting of :func:`train` outside :data:`_LIMITS`."""
+    for name, value in settings.items():
+        low, high = _LIMITS[name]
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"{name} must be a whole number; got {value!r}")
+        if not low <= value <= high:
+            top = "" if high == 2**63 - 1 else f" and at most {high}"
+            raise ValueError(f"{name} must be at least {low}{top}; got {value}")
+
+
+def _all_finite(table: gl.DataGadget) -> bool:
+    """Whether every value of ``table`` is finite (read 65,536 rows at a time)."""
+    for start in range(0, len(table), 1 << 16):
+        if not bool(torch.isfinite(table[start : start + (1 << 16)]).all()):
+            return False
+    return True
+
+
+def _count(name: str) -> Any:
+    """An argparse type for the whole-number setting ``name`` (its :data:`_LIMITS`)."""
+    low, high = _LIMITS[name]
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -317,12 +380,15 @@ class _OneLineErrors(argparse.ArgumentParser):
 def main(argv: Sequence[str] | None = None) -> int:
     p = _OneLineErrors(prog="python -m datasets.word2vec", description=__doc__.split("\n\n")[0])
     p.add_argument("corpus", help="a text file")
-    p.add_argument("--dim", type=_count(1), default=100)
-    p.add_argument("--epochs", type=_count(1), default=1)
-    p.add_argument("--window", type=_count(1), default=5)
-    p.add_argument("--negatives", type=_count(1, 1 << 20), default=5)
+    p.add_argument("--dim", type=_count("dim"), default=100)
+    p.add_argument("--epochs", type=_count("epochs"), default=1)
+    p.add_argument("--window", type=_count("window"), default=5)
+    p.add_argument("--negatives", type=_count("negatives"), default=5)
     p.add_argument(
-        "--batch-size", type=_count(1), default=4096, help="(center, context) pairs per step"
+        "--batch-size",
+        type=_count("batch_size"),
+        default=4096,
+        help="(center, context) pairs per step",
     )
     p.add_argument(
         "--lr",
@@ -330,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.01,
         help="Adam's learning rate (default 0.01; small corpora want several --epochs)",
     )
-    p.add_argument("--min-count", type=_count(1), default=1)
+    p.add_argument("--min-count", type=_count("min_count"), default=1)
     p.add_argument(
         "--placement",
         default=None,
@@ -340,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--device", type=_device, default=None, help="where the model computes: cuda, cuda:N or cpu"
     )
-    p.add_argument("--seed", type=_count(0), default=0)
+    p.add_argument("--seed", type=_count("seed"), default=0)
     p.add_argument("--out", default=None, help="write OUT.npy and OUT.vocab.txt")
     p.add_argument(
         "--show", default=None, help="comma-separated words: print their nearest neighbours"

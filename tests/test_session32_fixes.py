@@ -4,10 +4,15 @@
   (through float64, refused where a finite value is beyond float64's range); without
   ``dtype=`` the refusal says how to convert it;
 * the wrong-dtype message of ``insertData`` into a bfloat16 table names a conversion that
-  exists (NumPy has no bfloat16).
+  exists (NumPy has no bfloat16);
+* the word2vec example's ``train()`` refuses bad settings with ``ValueError`` (as its
+  docstring says; ``dim=0`` was a ZeroDivisionError, ``batch_size=-1`` trained nothing) and
+  catches divergence that only the last step of an epoch shows.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -70,3 +75,47 @@ def test_bfloat16_insert_message_names_a_real_conversion() -> None:
     # the suggested conversion works
     g.insertData(torch.as_tensor(rows).to(torch.bfloat16), [1])
     assert torch.equal(g.as_tensor()[1], torch.ones(2, dtype=torch.bfloat16))
+
+
+# ---- the word2vec example's train() checks its settings as the command line does -----------
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    path = tmp_path / "c.txt"
+    path.write_text("\n".join(["apple car bus grape"] * 20), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(
+    "kw, fragment",
+    [
+        ({"dim": 0}, "dim must be at least 1"),
+        ({"negatives": 0}, "negatives must be at least 1"),
+        ({"negatives": (1 << 20) + 1}, "at most 1048576"),
+        ({"epochs": -1}, "epochs must be at least 1"),
+        ({"batch_size": -1}, "batch_size must be at least 1"),
+        ({"window": 0}, "window must be at least 1"),
+        ({"batch_size": 2.0}, "batch_size must be a whole number"),
+        ({"seed": True}, "seed must be a whole number"),
+        ({"lr": 0.0}, "lr must be a number above 0"),
+        ({"lr": float("nan")}, "lr must be a number above 0"),
+        ({"lr": 1e31}, "at most 1e+30"),
+    ],
+)
+def test_word2vec_train_refuses_bad_settings(corpus, kw, fragment) -> None:
+    from datasets import word2vec
+
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        word2vec.train(corpus, progress=False, **kw)
+
+
+def test_word2vec_last_step_divergence_is_caught(corpus) -> None:
+    """A one-batch corpus: the loss of every epoch is measured before its only step, so the
+    blow-up of the last step shows only in the vectors it leaves."""
+    from datasets import word2vec
+
+    with pytest.raises(ValueError, match="not finite in the"):
+        word2vec.train(corpus, dim=4, epochs=2, lr=1e30, placement="cpu", progress=False)
+    ok = word2vec.train(corpus, dim=4, epochs=2, lr=0.01, placement="cpu", progress=False)
+    assert np.isfinite(ok.vectors()).all() and len(ok.losses) == 2
