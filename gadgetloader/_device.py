@@ -120,9 +120,17 @@ def resolve_placement(placement: str) -> str:
     Raises
     ------
     GadgetKeyError
-        For a name that is not a placement; the message lists the valid ones.
+        For a name that is not a placement (any case: ``'CPU'`` is ``'cpu'``); the
+        message lists the valid ones.
+    GadgetTypeError
+        For a placement that is not a string.
     """
-    if not isinstance(placement, str) or placement.lower() not in PLACEMENTS:
+    if not isinstance(placement, str):
+        raise GadgetTypeError(
+            f"placement must be a string, one of {list(PLACEMENTS)}; got "
+            f"{type(placement).__name__} {placement!r:.40}"
+        )
+    if placement.lower() not in PLACEMENTS:
         raise GadgetKeyError(f"Unknown placement {placement!r}; expected one of {list(PLACEMENTS)}")
     placement = placement.lower()
     if placement in ("cuda", "pinned") and not cuda_available():

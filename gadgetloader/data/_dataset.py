@@ -70,9 +70,11 @@ class GadgetBatch(tuple):  # type: ignore[type-arg]
         """Every column on ``device`` (no copy for columns already there).
 
         Only a device is taken (a ``torch.device``, a string such as ``'cuda'``, or a CUDA
-        index): a dtype is refused with :class:`~gadgetloader.GadgetTypeError`, since one
-        cast for every column would turn integer labels into floats; cast columns one by
-        one instead (``x.to(torch.float16), y``)."""
+        index, ``0`` being ``'cuda:0'``): a dtype is refused with
+        :class:`~gadgetloader.GadgetTypeError`, since one cast for every column would turn
+        integer labels into floats; cast columns one by one instead
+        (``x.to(torch.float16), y``). As everywhere in gadgetloader, a CUDA device on a
+        machine without CUDA means the CPU, with one ``FallbackWarning``."""
         if isinstance(device, (torch.dtype, torch.Tensor, bool)):
             raise GadgetTypeError(
                 "GadgetBatch.to moves every column to a device and takes a device only; got "
@@ -80,16 +82,19 @@ class GadgetBatch(tuple):  # type: ignore[type-arg]
                 "cast of every column would change integer labels too: cast columns one by one)"
             )
         try:
-            dev = torch.device(device)
+            if device is None:  # (resolve_device's "default device")
+                raise GadgetTypeError("no device")
+            dev = resolve_device(device)
         except (TypeError, RuntimeError, ValueError) as exc:
             raise GadgetTypeError(
-                f"GadgetBatch.to takes a device ('cpu', 'cuda', 'cuda:1', an index or a "
-                f"torch.device); got {device!r}"
+                f"GadgetBatch.to takes a device ('cpu', 'cuda', 'cuda:1', a CUDA index >= 0 "
+                f"or a torch.device); got {device!r}"
             ) from exc
         return GadgetBatch(t.to(dev, non_blocking=non_blocking) for t in self)
 
     def pin_memory(self) -> GadgetBatch:
-        """CPU columns in page-locked memory; GPU columns unchanged (DataLoader's hook)."""
+        """CPU columns in page-locked memory; GPU columns unchanged (DataLoader's hook).
+        Torch pins only where a CUDA device exists (it raises ``RuntimeError`` elsewhere)."""
         return GadgetBatch(t.pin_memory() if t.device.type == "cpu" else t for t in self)
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
@@ -310,6 +315,8 @@ class GadgetDataset(Dataset[Any]):
         Returns a :class:`GadgetBatch` with one tensor of shape
         ``indices.shape + row_shape`` per column. Ids that a :class:`GadgetSampler`
         yielded (unchanged) are in range by construction and are not checked again.
+        ``indices`` are ids (a list, tuple, range, array or tensor of integers); a slice
+        of rows is ``ds[a:b]``.
 
         Raises
         ------
@@ -434,7 +441,9 @@ class GadgetDataset(Dataset[Any]):
         the last three); ids in a list, array or tensor must lie in ``[0, len(ds))``
         (a negative one raises :class:`~gadgetloader.GadgetIndexError`). A 0-d tensor
         or array is an id, not an int: it gives a :class:`GadgetBatch` of one row per
-        column (unbatched, as ``ds[i]``'s rows) and must lie in ``[0, len(ds))``."""
+        column (unbatched, as ``ds[i]``'s rows) and must lie in ``[0, len(ds))``. A tuple
+        is a list of ids (``ds[1, 0]`` is rows 1 and 0), not the row-then-column index a
+        :class:`DataGadget` takes: index the batch's columns instead."""
         if isinstance(index, slice):
             index = _rows_of(index, self._num_rows)
         if isinstance(index, (int, np.integer)) and not isinstance(index, bool):

@@ -19,6 +19,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import io as _io
+from .._device import cuda_available
 from .._dtypes import as_torch_dtype, dtype_name
 from .._errors import GadgetTypeError, GadgetValueError, as_count, table_mismatch
 from .._ids import as_ids
@@ -78,8 +79,10 @@ class ModelSwitch:
         Row width; must match the variable's rows.
     dtype : str or dtype, default 'float32'
         The table's dtype.
-    placement : {'pinned', 'cuda', 'cpu'}
-        Where the table lives (``cuda``/``pinned`` fall back to ``cpu`` without CUDA).
+    placement : {'pinned', 'cuda', 'cpu'}, optional
+        Where the table lives. Default: ``pinned`` where CUDA is available, else ``cpu``
+        (silently, as for :class:`OffloadedEmbedding`); ``cuda`` or ``pinned`` asked for
+        by name falls back to ``cpu`` without CUDA, with a ``FallbackWarning``.
     duplicates : {'merge', 'separate'}, optional
         ``merge``: each distinct id is one row of the variable and
         :meth:`beforeForwardPass` returns the local ids to feed the model (exact
@@ -116,9 +119,11 @@ class ModelSwitch:
         embed_dimension: int,
         *,
         dtype: Any = "float32",
-        placement: str = "pinned",
+        placement: str | None = None,
         duplicates: str | None = None,
     ) -> None:
+        if placement is None:
+            placement = "pinned" if cuda_available() else "cpu"
         self.param = resolve_parameter(model_variable)
         self.model_variable = model_variable
         total_classes = as_count(total_classes, "total_classes")

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .._device import cuda_available
 from .._errors import GadgetKeyError, GadgetTypeError, GadgetValueError, as_count
 from .._paths import as_path
 from ..gadget import DataGadget
@@ -1042,8 +1043,9 @@ class OptimizerSwitch:
         The variable's attribute name in the model (``'u_embeddings'``).
     dtype : str or dtype, optional
         Dtype of the state tables (default: the state's own dtype).
-    placement : str
-        Where the state tables live.
+    placement : {'pinned', 'cuda', 'cpu'}, optional
+        Where the state tables live (default as for :class:`ModelSwitch`: ``pinned``
+        where CUDA is available, else ``cpu`` silently).
     """
 
     def __init__(
@@ -1055,8 +1057,10 @@ class OptimizerSwitch:
         variable_name: str,
         *,
         dtype: Any = None,
-        placement: str = "pinned",
+        placement: str | None = None,
     ) -> None:
+        if placement is None:
+            placement = "pinned" if cuda_available() else "cpu"
         from .._dtypes import as_torch_dtype, dtype_name
 
         self.optimizer_name = supported_name(given_optimizer)
