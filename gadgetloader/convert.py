@@ -128,29 +128,36 @@ def convert(
             options["chunk_rows"] = chunk_rows
         if compression is not None:
             options["compression"] = compression
-        sink = _io.open_sink(dst_p, source.shape, source.dtype, format=out_fmt, **options)
+        sink = None
         try:
-            rpb = _rows_per_block(
-                source.row_nbytes,
-                source.chunk_rows if getattr(source, "chunked", False) else 0,
-                getattr(sink, "chunk_rows", None),
-            )
-            buf = np.empty(
-                (min(rpb, max(1, source.num_rows)), *source.shape[1:]), dtype=source.numpy_dtype
-            )
-            bar = progress_bar(source.nbytes, f"convert {src_p} -> {dst_p}", progress)
-            with interrupts_deferred() as check, bar:
-                for start, stop in blocks(source.num_rows, rpb):
-                    block = buf[: stop - start]
-                    source.read_into(start, stop, block)
-                    sink.write(start, block)
-                    bar.update((stop - start) * source.row_nbytes)
-                    check()
+            # Ctrl-C is held from before the sink makes its partial file (which an
+            # interrupt landing in between would leave behind)
+            with interrupts_deferred() as check:
+                sink = _io.open_sink(dst_p, source.shape, source.dtype, format=out_fmt, **options)
+                check()
+                rpb = _rows_per_block(
+                    source.row_nbytes,
+                    source.chunk_rows if getattr(source, "chunked", False) else 0,
+                    getattr(sink, "chunk_rows", None),
+                )
+                buf = np.empty(
+                    (min(rpb, max(1, source.num_rows)), *source.shape[1:]),
+                    dtype=source.numpy_dtype,
+                )
+                bar = progress_bar(source.nbytes, f"convert {src_p} -> {dst_p}", progress)
+                with bar:
+                    for start, stop in blocks(source.num_rows, rpb):
+                        block = buf[: stop - start]
+                        source.read_into(start, stop, block)
+                        sink.write(start, block)
+                        bar.update((stop - start) * source.row_nbytes)
+                        check()
                 check()  # the last point where the write can stop with the old file in place
                 sink.commit()
                 check.committed = True
         except BaseException:
-            sink.abort()
+            if sink is not None:
+                sink.abort()
             raise
         check.deliver(dst_p)  # a Ctrl-C held during the commit, now the file is written
     finally:

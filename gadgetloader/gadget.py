@@ -1463,9 +1463,14 @@ class DataGadget:
         kwargs = dict(options)
         if dataset is not None:
             kwargs["dataset"] = dataset
-        sink = _io.open_sink(path, self.shape, self.dtype, format=format, **kwargs)
+        _io.sink_format(path, format)  # an unknown format: refused before anything is made
         try:
-            _io.save_from(self._store, sink, progress=progress, desc=f"save {as_path(path)}")
+            _io.save_from(
+                self._store,
+                lambda: _io.open_sink(path, self.shape, self.dtype, format=format, **kwargs),
+                progress=progress,
+                desc=f"save {as_path(path)}",
+            )
         except BaseException:
             # an interrupt held until after the new file took its place (see
             # interrupts_deferred): read the new file, then let the interrupt through
@@ -1490,7 +1495,8 @@ class DataGadget:
         """Replace the table with the .npy file's contents (SpeedTorch's name), keeping the placement.
 
         The file is checked (exists, not truncated, supported dtype) before the
-        current table is released.
+        current table is replaced; the new table is read before the old one is freed,
+        so the load holds both at its peak, as :meth:`load` does.
         """
         self.load(loadFileName, format="npy")
 

@@ -7,11 +7,14 @@
   exists (NumPy has no bfloat16);
 * the word2vec example's ``train()`` refuses bad settings with ``ValueError`` (as its
   docstring says; ``dim=0`` was a ZeroDivisionError, ``batch_size=-1`` trained nothing) and
-  catches divergence that only the last step of an epoch shows.
+  catches divergence that only the last step of an epoch shows;
+* a Ctrl-C that lands while a save creates its partial file stops the save and removes
+  the partial file (it was left behind, and the interrupt sometimes lost).
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -119,3 +122,56 @@ def test_word2vec_last_step_divergence_is_caught(corpus) -> None:
         word2vec.train(corpus, dim=4, epochs=2, lr=1e30, placement="cpu", progress=False)
     ok = word2vec.train(corpus, dim=4, epochs=2, lr=0.01, placement="cpu", progress=False)
     assert np.isfinite(ok.vectors()).all() and len(ok.losses) == 2
+
+
+# ---- Ctrl-C while a save makes its partial file --------------------------------------------
+
+
+@pytest.mark.parametrize("ext", ["npy", "h5", "zarr"])
+def test_interrupt_while_the_partial_file_is_made(tmp_path, ext) -> None:
+    """A watcher thread interrupts the main thread the moment the partial file appears;
+    every save must raise KeyboardInterrupt and leave no partial file behind."""
+    import _thread
+    import sys
+    import threading
+    import time
+
+    if ext != "npy":
+        pytest.importorskip("h5py" if ext == "h5" else "zarr")
+    g = gl.DataGadget((32, 4096), dtype="float32", placement="cpu")
+    g.fill_(1.0)
+    target = tmp_path / f"t.{ext}"
+    g.save(target, progress=False)  # the old file, which must survive
+    g.fill_(2.0)
+
+    def watch(stop: threading.Event) -> None:
+        while not stop.is_set():
+            if any(".partial-" in n for n in os.listdir(tmp_path)):
+                _thread.interrupt_main()
+                return
+
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    raised = 0
+    try:
+        for _ in range(15):
+            stop = threading.Event()
+            t = threading.Thread(target=watch, args=(stop,))
+            t.start()
+            try:
+                try:
+                    g.save(target, progress=False)
+                    time.sleep(0.05)  # an interrupt that comes late lands here
+                finally:
+                    stop.set()
+                    t.join()  # (the watcher interrupts once at most: nothing after this)
+            except KeyboardInterrupt:
+                raised += 1
+    finally:
+        sys.setswitchinterval(old_interval)
+    assert raised == 15
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
+    # the old file, or the new one where the interrupt came during the commit (then it is
+    # InterruptedAfterWrite, a KeyboardInterrupt): never a mix
+    back = gl.DataGadget(str(target), placement="cpu").as_tensor()
+    assert torch.equal(back, torch.ones(32, 4096)) or torch.equal(back, torch.full((32, 4096), 2.0))

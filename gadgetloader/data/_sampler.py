@@ -335,7 +335,8 @@ class GadgetSampler(Sampler[Any]):
     **Epochs.** Each full pass ends by advancing :attr:`epoch`, so successive
     epochs are shuffled differently without calling :meth:`set_epoch` (calling it
     every epoch, as with ``DistributedSampler``, gives the same result). Starting a
-    new ``iter()`` before the pass ends restarts the current epoch.
+    new ``iter()`` before the pass ends restarts the current epoch (after
+    :meth:`load_state_dict`: at the loaded position until a batch is drawn).
 
     **Ranks.** The epoch order is cut into ``num_replicas`` contiguous shares, one
     per rank; every rank yields the same number of batches ``len(sampler)``.
