@@ -226,7 +226,7 @@ def train(
         than two distinct words, or training that diverged (an epoch's loss, or a value
         of the vectors an epoch leaves, is not finite: ``lr`` is too large).
     """
-    _check_settings(
+    dim, epochs, window, negatives, batch_size, min_count, seed, chunk_tokens = _check_settings(
         dim=dim,
         epochs=epochs,
         window=window,
@@ -236,15 +236,16 @@ def train(
         seed=seed,
         chunk_tokens=chunk_tokens,
     )
-    if (
-        isinstance(lr, bool)
-        or not isinstance(lr, (int, float))
-        or not 0 < lr <= MAX_LEARNING_RATE  # (nan fails this too)
-    ):
+    try:
+        rate = float(lr) if not isinstance(lr, (bool, str)) else None
+    except (TypeError, ValueError, RuntimeError):  # (a tensor of several values: RuntimeError)
+        rate = None
+    if rate is None or not 0 < rate <= MAX_LEARNING_RATE:  # (nan fails this too)
         raise ValueError(
             f"lr must be a number above 0 and at most {MAX_LEARNING_RATE:g} (float32 Adam "
             f"steps overflow beyond); got {lr!r}"
         )
+    lr = rate
     vocab, ids = build_vocab(corpus, min_count)
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
@@ -322,21 +323,28 @@ _LIMITS: dict[str, tuple[int, int]] = {
 }
 
 
-def _check_settings(**settings: Any) -> None:
-    """``ValueError`` for a whole-number setting of :func:`train` outside :data:`_LIMITS`."""
+def _check_settings(**settings: Any) -> list[int]:
+    """The whole-number settings of :func:`train` as Python ints, in the order given
+    (NumPy integers too); ``ValueError`` for one that is not whole or is outside
+    :data:`_LIMITS`."""
+    out = []
     for name, value in settings.items():
         low, high = _LIMITS[name]
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
             raise ValueError(f"{name} must be a whole number; got {value!r}")
         if not low <= value <= high:
             top = "" if high == 2**63 - 1 else f" and at most {high}"
             raise ValueError(f"{name} must be at least {low}{top}; got {value}")
+        out.append(int(value))
+    return out
 
 
 def _all_finite(table: gl.DataGadget) -> bool:
-    """Whether every value of ``table`` is finite (read 65,536 rows at a time)."""
-    for start in range(0, len(table), 1 << 16):
-        if not bool(torch.isfinite(table[start : start + (1 << 16)]).all()):
+    """Whether every value of ``table`` is finite (read about 64 MiB at a time)."""
+    row_bytes = max(1, table.nbytes // max(1, len(table)))
+    step = max(1, (64 << 20) // row_bytes)
+    for start in range(0, len(table), step):
+        if not bool(torch.isfinite(table[start : start + step]).all()):
             return False
     return True
 

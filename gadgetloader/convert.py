@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -233,8 +234,14 @@ def run(args: argparse.Namespace) -> int:
         msg = msg.replace("(omit dataset=)", "(omit --dataset)")
         msg = msg.replace("or pass format=...", "or pass --format (source) / --to (destination)")
         msg = msg.replace("chunk_rows must", "--chunk-rows must")
-        msg = msg.replace("unexpected option(s) ['chunk_rows']", "unexpected option --chunk-rows")
-        msg = msg.replace("unexpected option(s) ['compression']", "unexpected option --compression")
+        msg = re.sub(
+            r"unexpected option\(s\) \[([^\]]*)\]",
+            lambda m: (
+                "unexpected option "
+                + ", ".join("--" + name.strip(" '").replace("_", "-") for name in m[1].split(","))
+            ),
+            msg,
+        )
         msg = msg.replace(" compression '", " compression (--compression) '")
         if "torch cannot index unsigned integers" in msg:
             # the library's hint names DataGadget's dtype=, which this command does not take

@@ -81,15 +81,20 @@ class GadgetBatch(tuple):  # type: ignore[type-arg]
                 f"{device if isinstance(device, torch.dtype) else type(device).__name__} (a "
                 "cast of every column would change integer labels too: cast columns one by one)"
             )
+        wanted = device
+        if isinstance(device, (int, np.integer)) and int(device) >= 0:
+            device = f"cuda:{int(device)}"  # a CUDA index, as torch reads it with CUDA
         try:
-            if device is None:  # (resolve_device's "default device")
-                raise GadgetTypeError("no device")
-            dev = resolve_device(device)
+            if device is None or isinstance(device, (int, np.integer)):
+                raise GadgetTypeError("not a device")
+            dev = torch.device(device)
         except (TypeError, RuntimeError, ValueError) as exc:
             raise GadgetTypeError(
                 f"GadgetBatch.to takes a device ('cpu', 'cuda', 'cuda:1', a CUDA index >= 0 "
-                f"or a torch.device); got {device!r}"
+                f"or a torch.device); got {wanted!r}"
             ) from exc
+        if dev.type == "cuda":
+            dev = resolve_device(dev)  # the CPU, with the one FallbackWarning, without CUDA
         return GadgetBatch(t.to(dev, non_blocking=non_blocking) for t in self)
 
     def pin_memory(self) -> GadgetBatch:
