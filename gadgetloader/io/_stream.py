@@ -160,35 +160,40 @@ def _read_overlapped(source: ArraySource, full: Any, rpb: int, bar: Any) -> None
 
 def save_from(
     store: Store,
-    open_sink: Callable[[], ArraySink],
+    sink: ArraySink | Callable[[], ArraySink],
     *,
     chunk_rows: int | None = None,
     progress: bool | None = None,
     desc: str = "save",
 ) -> None:
-    """Stream every row of ``store`` into the sink ``open_sink()`` makes, then commit it
-    (abort on any error). The sink is made with Ctrl-C already held (see
-    :func:`interrupts_deferred`): an interrupt that comes while it creates its partial
-    file stops the save at the first check, and the partial file is removed."""
+    """Stream every row of ``store`` into ``sink``, then commit it (abort on any error).
+
+    ``sink`` is an open sink (:func:`open_sink`) or a function that opens one: the
+    library passes the function, so that the sink is made with Ctrl-C already held (see
+    :func:`interrupts_deferred`) and an interrupt that comes while it creates its
+    partial file stops the save at the first check, with the partial file removed."""
+    open_sink = (lambda: sink) if isinstance(sink, ArraySink) else sink
     rpb = _rows_per_block(
         store.row_nbytes, chunk_rows or max(1, STAGING_BYTES // max(1, store.row_nbytes))
     )
-    sink: ArraySink | None = None
+    opened: ArraySink | None = None
     try:
         with interrupts_deferred() as check:
-            sink = open_sink()
+            opened = open_sink()
             check()
             with progress_bar(store.nbytes, desc, progress) as bar:
                 for start, stop in blocks(store.num_rows, rpb):
                     block = store.read_block(start, stop)
-                    sink.write(start, _numpy_view(block.contiguous()))
+                    opened.write(start, _numpy_view(block.contiguous()))
                     bar.update((stop - start) * store.row_nbytes)
                     check()
             check()  # the last point where the save can stop with the old file in place
-            sink.commit()
+            opened.commit()
             check.committed = True
     except BaseException:
-        if sink is not None:
+        if opened is not None:
+            opened.abort()
+        elif isinstance(sink, ArraySink):  # an open sink given that was never written
             sink.abort()
         raise
     check.deliver(desc)  # a Ctrl-C held during the commit, now the file is written
