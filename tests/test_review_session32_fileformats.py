@@ -1332,6 +1332,7 @@ def test_convert_interrupted_exits_130_and_writes_nothing(tmp_path):
         time.sleep(0.002)
     time.sleep(0.02)
     if p.poll() is not None:
+        p.communicate()  # close its pipes
         pytest.skip("convert finished before it could be interrupted")
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=60)
