@@ -270,6 +270,12 @@ def _check_out(out: Any, shape: tuple[int, ...], dtype: torch.dtype, device: tor
             "out must not require grad (rows are written into it in place); "
             "pass out.detach(), or call getData under torch.no_grad()"
         )
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        raise GadgetValueError(
+            "out is an inference tensor (made under torch.inference_mode()), which can only be "
+            "written inside inference mode; pass a tensor made outside it, or call getData "
+            "under torch.inference_mode()"
+        )
 
 
 def _cuda_unusable_here() -> bool:

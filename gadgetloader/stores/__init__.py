@@ -58,9 +58,12 @@ def empty_store(
             f"a {dtype_name(dtype)} table of shape {tuple(shape)} needs {nbytes:,} bytes, more "
             f"than any {where} allocation can hold ({_MAX_BYTES:,})"
         )
-    if cls is CpuStore:
-        return CpuStore(shape, dtype)
-    return cls(shape, dtype, device)
+    # a table is storage of its own, never an inference tensor: one made under
+    # torch.inference_mode() must stay writable once that block ends
+    with torch.inference_mode(False):
+        if cls is CpuStore:
+            return CpuStore(shape, dtype)
+        return cls(shape, dtype, device)
 
 
 def standalone_copy(store: Store) -> Store:

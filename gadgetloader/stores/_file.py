@@ -657,7 +657,9 @@ class FileStore(Store):
         n = flat.size
         to_cuda = device.type == "cuda"
         result_t = (
-            self._stage(n) if to_cuda else torch.empty((n, *self.row_shape), dtype=self._dtype)
+            self._stage(n)
+            if to_cuda
+            else torch.empty((n, *self.row_shape), dtype=self._dtype, device="cpu")
         )
         result = _numpy_bits(result_t)
         if n:

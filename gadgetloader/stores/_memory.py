@@ -20,7 +20,7 @@ class CpuStore(Store):
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         super().__init__(shape, dtype)
-        self._t: torch.Tensor | None = torch.zeros(self.shape, dtype=dtype)
+        self._t: torch.Tensor | None = torch.zeros(self.shape, dtype=dtype, device="cpu")
 
     def host_view(self) -> torch.Tensor | None:
         return self._t
