@@ -496,7 +496,9 @@ class ModelSwitch:
         save_torch_file(table_tensor(self.table), saveFileName)
 
     def loadTorch(self, loadFileName: str | os.PathLike[str]) -> None:
-        """Load a table saved with :meth:`saveTorch` (shape and dtype must match)."""
+        """Load a table saved with :meth:`saveTorch`. The shape must match; a tensor of
+        another floating dtype is taken where every value converts exactly (a float64 file
+        of float32 values), any other dtype is refused. Nothing is written on refusal."""
         t = load_torch_file(loadFileName)
         t = check_tensor(t, as_path(loadFileName), self.table.shape, self.table.dtype)
         self.table._check_no_waiting_lookup("loadTorch into this table")

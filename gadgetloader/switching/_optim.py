@@ -1121,8 +1121,10 @@ class OptimizerSwitch:
 
     def loadTorch(self, loadFileName: str | os.PathLike[str]) -> None:
         """Load state tables saved with :meth:`saveTorch`: a ``{state name: tensor}`` dict,
-        or (SpeedTorch's layout) a list of tensors in :attr:`tables` order. Names, shapes
-        and dtypes must match; everything is checked before any table is written."""
+        or (SpeedTorch's layout) a list of tensors in :attr:`tables` order. Names and shapes
+        must match; a tensor of another floating dtype is taken where every value converts
+        exactly, any other dtype is refused. Everything is checked before any table is
+        written."""
         tables = self._need_pager().tables
         path = as_path(loadFileName)
         got = load_torch_file(path)

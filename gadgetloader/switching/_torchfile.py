@@ -83,6 +83,7 @@ def check_tensor(t: Any, what: str, shape: tuple[int, ...], dtype: torch.dtype) 
         if bool(((back == t) | (torch.isnan(back) & torch.isnan(t))).all()):
             return cast
     raise GadgetTypeError(
-        f"{what} holds a {dtype_name(t.dtype)} tensor; expected {dtype_name(dtype)} "
-        "(the table's dtype; another float dtype is taken only where every value converts exactly)"
+        f"{what} holds a tensor of dtype {dtype_name(t.dtype)}; expected {dtype_name(dtype)} "
+        "(the table's dtype; another float dtype is taken only where every value converts "
+        "exactly, an integer or bool one never)"
     )
