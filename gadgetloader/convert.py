@@ -260,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
             or " compression (--compression) '" in msg
             or "unexpected option --" in msg
             or "--dataset / dataset= names the array inside the source" in msg
+            or msg.startswith("--dst-dataset / dst_dataset= names an array inside")
         ):
             # an option value the destination (or source) format does not take: a usage
             # error, as argparse reports its own (exit status 2)
