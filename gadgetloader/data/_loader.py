@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from .._errors import GadgetTypeError, GadgetValueError
+from .._errors import GadgetClosedError, GadgetTypeError, GadgetValueError
 from .._fork import keep_in_forked_child
 from ._dataset import (  # noqa: F401 - the coalesce defaults, re-exported
     COALESCE_BYTES,
@@ -76,7 +76,11 @@ class GadgetLoader:
         ``drop_last`` are this loader's own parameters (a ``GadgetSampler``, and the
         sampler option above), not DataLoader's. A ``generator`` given here
         seeds only the workers' random state, as in DataLoader; the batch order
-        comes from ``seed=`` (or the given sampler) alone.
+        comes from ``seed=`` (or the given sampler) alone. ``in_order=False`` is a
+        ``GadgetValueError`` (batches finished out of order could not be resumed from a
+        count). With ``persistent_workers=True`` the workers serve one pass at a time:
+        once a newer ``iter()`` has started, reading an older pass raises
+        ``GadgetClosedError``.
 
     Notes
     -----
@@ -189,6 +193,14 @@ class GadgetLoader:
         for key in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn"):
             if key in dataloader_kwargs:
                 raise GadgetTypeError(f"GadgetLoader sets DataLoader's {key!r} itself")
+        if "in_order" in dataloader_kwargs and dataloader_kwargs["in_order"] is not True:
+            raise GadgetValueError(
+                "GadgetLoader hands batches out in the sampler's order, so that state_dict() "
+                "resumes exactly; DataLoader's in_order="
+                f"{dataloader_kwargs['in_order']!r} would hand them out as workers finish "
+                "(use DataLoader(ds, batch_sampler=sampler, in_order=False) directly if "
+                "resume does not matter)"
+            )
         self._device = dataset.device
         named = ", ".join(map(repr, dataloader_kwargs))  # (for an error message below)
         pin = workers > 0 and self._device.type == "cuda"
@@ -206,8 +218,13 @@ class GadgetLoader:
         # without workers (or pinning) DataLoader only adds per-batch bookkeeping (~23 us
         # on the H200 host, a profiler range among it): the sampler is read directly
         self._direct = workers == 0 and not self._dataloader.pin_memory
-        # (epoch, first position, batches handed out) of the pass in progress
+        # [epoch, first position, batches handed out, sampler changes, pass number] of the
+        # pass in progress
         self._active: list[int] | None = None
+        # persistent workers serve one pass at a time: torch resets its one iterator for
+        # each new pass, so an older pass must stop (see _superseded)
+        self._passes = 0
+        self._one_pass = workers > 0 and bool(self._dataloader.persistent_workers)
 
     # ---- facts -------------------------------------------------------------------------------
     @property
@@ -285,7 +302,8 @@ class GadgetLoader:
             self._sampler._restart(epoch if start + handed < len(self._sampler) else epoch + 1)
         epoch, start = self._sampler._next_start()
         self._sampler._check_next(epoch)  # (refused before the loader records a pass)
-        active = [epoch, start, 0, changes]
+        self._passes += 1
+        active = [epoch, start, 0, changes, self._passes]
         self._active = active
         # a pass holds streams, events and batches in its generator's frame: like the
         # loader, it must never be destroyed in a forked worker (see gadgetloader._fork)
@@ -300,8 +318,26 @@ class GadgetLoader:
         if self._active is active:
             self._active = None
 
+    def _superseded(self, ticket: int) -> None:
+        """With persistent workers a newer pass has reset DataLoader's one iterator, whose
+        batches are now that pass's: the older pass stops with an error (it would else
+        take the new pass's batches)."""
+        if self._one_pass and ticket != self._passes:
+            raise GadgetClosedError(
+                "this GadgetLoader pass was replaced by a newer iter(): with "
+                "persistent_workers=True the workers serve one pass at a time (torch resets "
+                "its iterator for the new pass), so an older pass cannot be read on; finish "
+                "or drop a pass before starting the next"
+            )
+
     def _plain(self, it: Iterator[Any], active: list[int]) -> Iterator[GadgetBatch]:
-        for batch in it:
+        ticket = active[4]
+        while True:
+            self._superseded(ticket)
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
             batch = _on_device(batch, self._device, non_blocking=False)
             active[2] += 1
             yield batch
@@ -377,8 +413,10 @@ class GadgetLoader:
         side = torch.cuda.Stream(device)
         side.wait_stream(consumers.current())
         pending: deque[tuple[GadgetBatch, torch.cuda.Event]] = deque()
+        ticket = active[4]
 
         def fetch() -> bool:
+            self._superseded(ticket)
             with torch.cuda.stream(side):
                 try:
                     batch = next(it)
