@@ -61,7 +61,8 @@ class ReadOnlyError(GadgetError, PermissionError):
 
 
 class GadgetClosedError(GadgetError, RuntimeError):
-    """Use of a store or gadget after ``close()``."""
+    """Use of a store or gadget after ``close()`` (or of a ``GadgetLoader`` pass that a newer
+    one has replaced, with persistent workers)."""
 
 
 class MissingDependencyError(GadgetError, ImportError):

@@ -149,12 +149,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     parser, commands = _parsers()
     words = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(words)
+    args, extra = parser.parse_known_args(words)
     if args.command == "bench" and args.suite:
         _check_bench_order(commands["bench"], words, args.suite)
     # usage errors found below name the command given (`gadgetloader bench sweep: error:`)
     suite = getattr(args, "suite", None)
     parser = commands.get(f"{args.command} {suite}" if suite else args.command, parser)
+    if extra:  # (argparse would name the top-level command and print its usage)
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command in ("bench", "info"):
         _check_json_target(parser, getattr(args, "json", None))
         for option in ("plot", "profile"):

@@ -108,7 +108,9 @@ def test_convert_messages_name_flags(tmp_path, capsys):
     assert "pass --dataset to choose one" in capsys.readouterr().err
     dst = tmp_path / "y.npy"
     argv = ["convert", str(src), str(dst), "--dataset", "a", "--dst-dataset", "x"]
-    assert main(argv) == 1
+    with pytest.raises(SystemExit) as exit_info:  # a usage error (exit status 2)
+        main(argv)
+    assert exit_info.value.code == 2
     assert "is a .npy file, which holds one array without a name" in capsys.readouterr().err
     assert not dst.exists()
 

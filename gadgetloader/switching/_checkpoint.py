@@ -60,6 +60,12 @@ _META = "meta.pt"
 _VERSION = 1
 
 
+class ObjectKindError(GadgetTypeError, GadgetValueError):
+    """``load_checkpoint`` given an object of another kind than the one saved under its
+    name (a module where an optimizer was saved): a ``GadgetTypeError``, and a
+    ``GadgetValueError`` as every refused entry is."""
+
+
 def _extension(fmt: str) -> str:
     formats = _io.FORMATS
     if fmt not in formats:
@@ -136,7 +142,7 @@ def _plain_file_name(f: Any) -> bool:
     )
 
 
-def _parts(obj: Any) -> tuple[str, dict[str, DataGadget], Any]:
+def _parts(obj: Any, caller: str = "save_checkpoint") -> tuple[str, dict[str, DataGadget], Any]:
     """(kind, tables by name, small metadata) for one checkpointed object."""
     if isinstance(obj, ModelSwitch):
         return "model_switch", {"table": obj.table}, None
@@ -177,7 +183,7 @@ def _parts(obj: Any) -> tuple[str, dict[str, DataGadget], Any]:
     if isinstance(obj, torch.optim.Optimizer):
         return "optimizer", {}, {"state_dict": obj.state_dict(), **optimizer_tags(obj)}
     raise GadgetTypeError(
-        "save_checkpoint takes ModelSwitch / ModelFactory, OptimizerSwitch / OptimizerFactory, "
+        f"{caller} takes ModelSwitch / ModelFactory, OptimizerSwitch / OptimizerFactory, "
         f"OffloadedOptimizer, nn.Module or torch optimizer objects; got {type(obj).__name__}"
     )
 
@@ -750,7 +756,7 @@ def load_checkpoint(
             )
         entry = saved_objects[name]
         _check_entry(meta_path, name, entry)
-        kind, tables, _ = _parts(obj)
+        kind, tables, _ = _parts(obj, "load_checkpoint")
         # an optimizer's checkpoint may hold state its hyper-parameters have not turned on
         # yet (a scheduler's momentum): those tables are added once everything is checked
         found = {
@@ -774,7 +780,9 @@ def load_checkpoint(
             or not set(tables) <= set(entry["tables"])
             or len(extra) != len(set(entry["tables"]) - set(tables))
         ):
-            raise GadgetValueError(
+            # another kind of object is a type error (and, as before, a value error);
+            # other tables, a value error
+            raise (ObjectKindError if kind != entry["kind"] else GadgetValueError)(
                 f"checkpoint object {name!r} is {_kind_text(entry['kind'])} with tables "
                 f"{sorted(entry['tables'])}; got {_kind_text(kind)} with tables {sorted(tables)}"
             )
