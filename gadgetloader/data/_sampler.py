@@ -450,7 +450,14 @@ class GadgetSampler(Sampler[Any]):
                 "e.g. GadgetSampler(gl.DataGadget(path, placement='file'), ...)"
             )
         elif hasattr(data_source, "__len__"):
-            n = len(data_source)
+            try:
+                n = len(data_source)
+            except TypeError as exc:  # (a 0-d tensor or array has __len__ but no length)
+                raise GadgetTypeError(
+                    "data_source must be a row count or a sized object; got a "
+                    f"{type(data_source).__name__} without a length ({exc}); pass int(x) for a "
+                    "row count"
+                ) from exc
         else:
             raise GadgetTypeError(
                 f"data_source must be a row count or have len(); got {type(data_source).__name__}"

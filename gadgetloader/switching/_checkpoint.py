@@ -49,6 +49,7 @@ from ._model import ModelSwitch
 from ._optim import (
     OptimizerSwitch,
     check_optimizer_kind,
+    check_optimizer_state,
     keep_saved_scalar_dtypes,
     optimizer_kind,
     optimizer_tags,
@@ -616,15 +617,9 @@ def _check_module(name: str, obj: nn.Module, saved_sd: Mapping[str, Any]) -> Non
 
 
 def _check_optimizer(name: str, opt: torch.optim.Optimizer, saved_sd: Mapping[str, Any]) -> None:
-    """Refuse a saved optimizer state whose parameter groups do not fit ``opt``."""
-    groups = saved_sd.get("param_groups", []) if isinstance(saved_sd, Mapping) else []
-    mine = [len(g["params"]) for g in opt.param_groups]
-    theirs = [len(g.get("params", [])) for g in groups]
-    if mine != theirs:
-        raise GadgetValueError(
-            f"checkpoint object {name!r}: the saved optimizer has parameter groups of sizes "
-            f"{theirs}; this one's are {mine}"
-        )
+    """Refuse a saved optimizer state that does not fit ``opt`` (its groups, their
+    options, state tensors without values; see :func:`check_optimizer_state`)."""
+    check_optimizer_state(opt, saved_sd, f"checkpoint object {name!r}")
 
 
 def _verify_rows(path: str, fmt: str) -> None:
@@ -822,7 +817,7 @@ def load_checkpoint(
                     )
         elif kind == "offloaded_optimizer":
             check_optimizer_kind(meta, obj.inner, f"checkpoint object {name!r}")
-            _check_optimizer(name, obj.inner, meta["inner"])
+            obj.check_inner_state(meta["inner"], f"checkpoint object {name!r}")
             if meta.get("optimizer") is None:  # written before the class was recorded
                 obj._check_untagged(meta["inner"], f"checkpoint object {name!r}")
         _refuse_mid_step(name, obj, "loading")

@@ -33,6 +33,7 @@ from . import _graphs as _captured
 from ._optim import (
     StatePager,
     check_optimizer_kind,
+    check_optimizer_state,
     keep_saved_scalar_dtypes,
     optimizer_kind,
     optimizer_tags,
@@ -1494,6 +1495,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 f"got keys {keys}"
             )
         check_optimizer_kind(state_dict, self.inner, "the state dict")
+        self.check_inner_state(state_dict["inner"], "the state dict")
         if state_dict.get("optimizer") is None:
             self._check_untagged(state_dict.get("inner"), "the state dict")
         # check everything before writing anything: a bad state dict changes nothing
@@ -1526,6 +1528,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     raise GadgetValueError(
                         f"state table {key!r}: expected shape {shape}, got {tuple(t.shape)}"
                     )
+                if t.layout != torch.strided or t.device.type == "meta":
+                    raise GadgetTypeError(
+                        f"state table {key!r}: expected a dense tensor with values, got a "
+                        f"{t.layout} tensor on {t.device}"
+                    )
                 if not (t.is_floating_point() or (table is not None and t.dtype == table.dtype)):
                     raise GadgetTypeError(
                         f"state table {key!r}: expected a floating-point tensor, got {t.dtype}"
@@ -1544,6 +1551,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             table.store.synchronize()
         for pager in self.pagers:
             pager.mark_loaded()
+
+    def check_inner_state(self, sd: Any, what: str) -> None:
+        """Refuse a saved inner (torch) optimizer state that does not fit: see
+        :func:`check_optimizer_state`; the dense parameters' state must have their shapes."""
+        check_optimizer_state(
+            self.inner,
+            sd,
+            what,
+            shapes=True,
+            skip=frozenset(id(m._slot.param) for m in self.tables),
+        )
 
     def _check_untagged(self, sd: Any, what: str) -> None:
         """State saved without the optimizer's class (before it was recorded): each table's

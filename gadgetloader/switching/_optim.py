@@ -118,6 +118,114 @@ def check_optimizer_kind(
     )
 
 
+#: state a factored optimizer (Adafactor) keeps per parameter in a reduced shape
+_FACTORED_STATE = frozenset({"row_var", "col_var"})
+
+
+def _filled_groups(optimizer: torch.optim.Optimizer, groups: list[Any]) -> list[Any]:
+    """``groups`` as the optimizer's ``__setstate__`` completes them on load (options added
+    in later torch versions get their defaults); the groups as given where that fails."""
+    try:
+        probe = object.__new__(type(optimizer))
+        filled = [dict(g) for g in groups]
+        probe.__setstate__(
+            {"defaults": dict(optimizer.defaults), "state": {}, "param_groups": filled}
+        )
+        return list(probe.param_groups)
+    except Exception:  # an optimizer whose __setstate__ needs more: check the groups as given
+        return groups
+
+
+def check_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    sd: Any,
+    what: str,
+    *,
+    shapes: bool = False,
+    skip: frozenset[int] = frozenset(),
+) -> None:
+    """Refuse a torch optimizer state dict that ``optimizer.load_state_dict`` would take but
+    that would fail later, before anything is loaded: not a dict of ``state`` and
+    ``param_groups``, groups of other sizes, a group without an option this optimizer's
+    groups have (after the defaults torch fills in on load), an option that is a number
+    here and not a number there, state tensors that are sparse or on the meta device, and
+    (``shapes=True``) per-parameter state tensors of another shape than their parameter
+    (parameters whose ``id`` is in ``skip`` excepted: offloaded tables keep their rows'
+    state in tables)."""
+    if (
+        not isinstance(sd, Mapping)
+        or not isinstance(sd.get("state"), Mapping)
+        or not isinstance(sd.get("param_groups"), (list, tuple))
+        or not all(
+            isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
+            for g in sd["param_groups"]
+        )
+    ):
+        raise GadgetTypeError(
+            f"{what}: expected a torch optimizer state (a dict with 'state' and a list of "
+            f"'param_groups', each with its 'params'); got {type(sd).__name__}"
+            + (f" with keys {sorted(map(str, sd))}" if isinstance(sd, Mapping) else "")
+        )
+    groups = list(sd["param_groups"])
+    mine = [len(g["params"]) for g in optimizer.param_groups]
+    theirs = [len(g["params"]) for g in groups]
+    if mine != theirs:
+        raise GadgetValueError(
+            f"{what}: the saved optimizer has parameter groups of sizes {theirs}; this one's "
+            f"are {mine}"
+        )
+    for n, (own, saved) in enumerate(
+        zip(optimizer.param_groups, _filled_groups(optimizer, groups), strict=True)
+    ):
+        missing = sorted(k for k in own if k != "params" and k not in saved)
+        if missing:
+            raise GadgetValueError(
+                f"{what}: saved parameter group {n} lacks the option(s) {missing} that this "
+                f"{optimizer_kind(optimizer)}'s groups have"
+            )
+        for k, v in own.items():
+            new = saved.get(k)
+            number = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if number and not (
+                (
+                    isinstance(new, (int, float, np.integer, np.floating))
+                    and not isinstance(new, bool)
+                )
+                or (isinstance(new, torch.Tensor) and new.numel() == 1)
+            ):
+                raise GadgetTypeError(
+                    f"{what}: option {k!r} of saved parameter group {n} is {new!r}; expected "
+                    "a number"
+                )
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    saved_ids = [i for g in groups for i in g["params"]]
+    where = dict(zip(saved_ids, params, strict=True))
+    for pid, entry in sd["state"].items():
+        if not isinstance(entry, Mapping):
+            continue
+        p = where.get(pid)
+        for k, v in entry.items():
+            if not isinstance(v, torch.Tensor):
+                continue
+            if v.layout != torch.strided or v.device.type == "meta":
+                raise GadgetTypeError(
+                    f"{what}: state {k!r} of parameter {pid!r} is a {v.layout} tensor on "
+                    f"{v.device}; expected a dense tensor with values"
+                )
+            if (
+                shapes
+                and p is not None
+                and id(p) not in skip
+                and v.dim() > 0
+                and k not in _FACTORED_STATE
+                and tuple(v.shape) != tuple(p.shape)
+            ):
+                raise GadgetValueError(
+                    f"{what}: state {k!r} of parameter {pid!r} has shape {tuple(v.shape)}; "
+                    f"that parameter's shape here is {tuple(p.shape)} (state of another model?)"
+                )
+
+
 def supported_name(optimizer: Any) -> str:
     """The supported torch optimizer class ``optimizer`` is (or derives from).
 
