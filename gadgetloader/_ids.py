@@ -164,6 +164,17 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
                             f"id {min(ints)} is negative: ids address rows from 0"
                         )
                     return torch.tensor(ints, dtype=torch.int64).reshape(arr.shape)
+            if arr.dtype == object:
+                odd = {
+                    "Ellipsis" if x is Ellipsis else "None"
+                    for x in _flat_items(indexes)
+                    if x is Ellipsis or x is None
+                }
+                if odd:  # (g[..., 0]: NumPy's Ellipsis and newaxis are not indexes here)
+                    raise GadgetTypeError(
+                        f"ids must be integers; got a {type(indexes).__name__} holding "
+                        f"{' and '.join(sorted(odd))} (Ellipsis and None are not indexes here)"
+                    )
             raise GadgetTypeError(
                 f"ids must be integers; got a {type(indexes).__name__} holding {arr.dtype} values"
             )

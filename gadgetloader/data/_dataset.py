@@ -946,7 +946,7 @@ def _checked_ids(indices: Any, num_rows: int) -> torch.Tensor:
         isinstance(indices, torch.Tensor)
         and type(indices) in _PLAIN_TENSORS
         and indices.dtype == torch.int64
-        and not indices.is_cuda
+        and indices.device.type == "cpu"
         and indices.layout == torch.strided
     ):
         if indices.numel():

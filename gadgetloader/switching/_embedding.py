@@ -280,8 +280,11 @@ class _OffloadedTable(nn.Module):
         and, for a training lookup, finished by the optimizer's ``step()`` before anything
         is written (an eval lookup finishes it at once).
         """
-        cuda_input = bool(getattr(input, "is_cuda", False)) or hasattr(
-            input, "__cuda_array_interface__"
+        # (a torch tensor's __cuda_array_interface__ raises off CUDA, not only for the CPU)
+        cuda_input = (
+            input.is_cuda
+            if isinstance(input, torch.Tensor)
+            else hasattr(input, "__cuda_array_interface__")
         )
         ids = as_ids(input, self.num_embeddings, self.compute_device, check=False)
         store = self.table.store
