@@ -1564,6 +1564,9 @@ class DataGadget:
                 f"and must keep its {self.shape} {dtype_name(self.dtype)} (nothing was changed)",
             )
         with _SWAP_LOCK:
+            if self._store.closed:  # close() came while the file was read: it stays closed
+                new.close()
+                self._store.check_open()  # raises GadgetClosedError naming the table
             old, self._store = self._store, new
             self._wrote()
             old.retire()
@@ -1609,8 +1612,11 @@ class DataGadget:
             flush()
 
     def close(self) -> None:
-        """Free the table's memory now (idempotent). Also happens on garbage collection."""
-        self._store.close()
+        """Free the table's memory now (idempotent). Also happens on garbage collection.
+        A ``load()`` that another thread is making meanwhile raises ``GadgetClosedError``
+        and leaves the table closed."""
+        with _SWAP_LOCK:  # (not between a load's check and its swap)
+            self._store.close()
 
     def __enter__(self) -> DataGadget:
         return self
@@ -1624,8 +1630,10 @@ class DataGadget:
 
         ``file``: the file's name and options only (no rows); the copy reopens the
         file lazily in its own process. ``cpu``: by value (through torch's shared
-        memory when a DataLoader sends it to workers). ``cuda`` / ``pinned`` cannot
-        be pickled: their rows live in this process's GPU mappings.
+        memory when a DataLoader sends it to workers; a table interleaved with its
+        optimizer state pickles a copy of its rows, which the table keeps until it is
+        pickled again, so a spawned process can still read it). ``cuda`` / ``pinned``
+        cannot be pickled: their rows live in this process's GPU mappings.
         """
         store = self.__dict__.get("_store")
         if store is not None and not store.closed and store.placement in ("cuda", "pinned"):
@@ -1636,6 +1644,15 @@ class DataGadget:
                 "placement='cpu'; 'fork' workers inherit the gadget without pickling"
             )
         state = self.__dict__.copy()
+        from .stores import SlotStore, standalone_copy
+
+        state.pop("_pickled_copy", None)
+        if isinstance(store, SlotStore) and not store.closed:
+            # a table interleaved with its optimizer state is a strided view of a buffer
+            # torch cannot hand to a spawned process: the copy takes its own rows, kept
+            # here until the next pickle (a spawned child reads torch's shared memory after
+            # the parent has pickled it, so the rows must outlive this call)
+            state["_store"] = self.__dict__["_pickled_copy"] = standalone_copy(store)
         state.pop("_owner", None)  # the module that trains it (a weak reference) stays behind
         state.pop("_switch", None)  # so does the switcher that pages it
         return state
@@ -1702,7 +1719,11 @@ def gather_many(
     """
     group = _fused_group(gadgets)
     first = group[0]
-    first._store.check_open()
+    for k, g in enumerate(group):
+        try:
+            g._store.check_open()
+        except GadgetError as exc:  # say which table, keeping the error's class
+            raise type(exc)(f"table {k} of {len(group)}: {exc}") from exc
     dev = first._delivery_device(device)
     check_ids = bool(as_flag(check_ids, "check_ids"))
     indexes = _many_ids(indexes, len(first), "gather_many")  # (a slice of rows, as getData takes)
