@@ -113,6 +113,31 @@ def _check_json_target(
         parser.error(f"{option} {path}: the file is not writable")
 
 
+def _failed_checks(result: Any, where: str = "") -> list[str]:
+    """Where a benchmark's result failed its check against the reference: a ``check`` of
+    ``WRONG`` / ``MISMATCH``, a ``checked`` or ``checks_passed`` that is False, a
+    ``verified`` method that is False (the suites' own fields, wherever they are nested)."""
+    bad: list[str] = []
+    if isinstance(result, dict):
+        label = " ".join(
+            str(result[k]) for k in ("kind", "format", "method") if result.get(k) is not None
+        ) or str(result.get("name") or where)
+        if result.get("check") in ("WRONG", "MISMATCH") or result.get("checked") is False:
+            bad.append(str(label))
+        if result.get("checks_passed") is False and not bad:
+            bad.append("checks_passed")
+        verified = result.get("verified")
+        if isinstance(verified, dict):
+            bad += [f"{name} (verified)" for name, ok in verified.items() if ok is False]
+        for key, value in result.items():
+            if key != "verified":
+                bad += _failed_checks(value, str(key))
+    elif isinstance(result, list):
+        for item in result:
+            bad += _failed_checks(item, where)
+    return bad
+
+
 def _check_bench_order(parser: argparse.ArgumentParser, argv: Sequence[str], suite: str) -> None:
     """Options written between ``bench`` and a suite name belong to the seed benchmark
     (``gadgetloader bench --rows N``); argparse would drop them silently for another suite."""
@@ -208,7 +233,16 @@ def _main(argv: Sequence[str] | None) -> int:
         except KeyboardInterrupt:
             print("gadgetloader bench: interrupted", file=sys.stderr)
             return 130
-        return _write_json(getattr(args, "json", None), result, "bench")
+        status = _write_json(getattr(args, "json", None), result, "bench")
+        bad = sorted(set(_failed_checks(result)))
+        if bad:  # a wrong result is a failed run, whatever the timings say (exit status 1)
+            print(
+                f"gadgetloader bench: error: results that failed their check against the "
+                f"reference: {', '.join(bad)}",
+                file=sys.stderr,
+            )
+            return 1
+        return status
     if args.command == "convert":
         from .bench._common import OptionError
 

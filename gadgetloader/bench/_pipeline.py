@@ -524,11 +524,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             else ""
         )
     )
+    timed = [f"{k}: {v:.1f} us/batch" for k, v in sampler_us.items() if v is not None]
     print(
         "column routes: "
         + "; ".join(f"{k}: {', '.join(v)}" for k, v in routes.items())
         + " | sampler alone: "
-        + "; ".join(f"{k}: {v:.1f} us/batch" for k, v in sampler_us.items() if v is not None)
+        + (
+            "; ".join(timed)
+            if timed
+            else "not measured (only the batches after each epoch's first are timed, and an "
+            "epoch here is one batch)"
+        )
     )
     for s in skipped:
         print(f"skipped: {s}")

@@ -126,7 +126,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print("sweep: skipped -- it measures host<->GPU transfers and needs a CUDA device")
         if getattr(args, "plot", None):
             print(f"plot: nothing to draw, {args.plot} not written")
-        return {"benchmark": "sweep", "skipped": ["no CUDA device"], "results": []}
+        return {
+            "benchmark": "sweep",
+            "device": "cpu",
+            "cpu_threads": torch.get_num_threads(),
+            "skipped": ["no CUDA device"],
+            "results": [],
+        }
     dev = torch.device("cuda")
     cap = 0.6 * _free_ram()
     skipped = [f"{s} GB (over 60% of free RAM)" for s in sizes if s * 1e9 > cap]

@@ -22,7 +22,14 @@ negatives each, Zipf-distributed words, unigram**0.75 negatives) over two tables
 For each: steps/s, ms/step, bytes moved over PCIe per step (weights and both Adam
 moments, in and out) and the floor -- the time those bytes take at the pinned
 memcpy bandwidth measured in the same run. Before timing, the exact methods are
-checked against each other on the rows of one batch.
+checked on the rows of one batch after the warm-up steps, against all-on-GPU SparseAdam
+(torch's own dense tables) where it runs, else against the first of the switchers and the
+drop-in module: each must agree elementwise (within one step size per step against
+SparseAdam, which adds eps before its bias correction) and its rows must have moved from
+their initial values as the reference's did (the mean difference of the moves below 5% of
+the reference's mean move; SparseAdam's eps alone makes ~0.3% after one step, a step that
+does nothing 100%). The reference is marked ``"reference"``; a method with
+nothing to compare against is not in ``verified``.
 """
 
 from __future__ import annotations
@@ -558,7 +565,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n_batches = max(1, args.warmup + args.steps * args.repeats)
     batches = _batches(args, device, min(n_batches, 64))
     results: dict[str, dict[str, Any]] = {}
-    check_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    # name -> (both tables' probe rows before the warm-up, then after it)
+    check_rows: dict[str, tuple[torch.Tensor, ...]] = {}
     probe_ids = (batches[0][0][:256], torch.cat([batches[0][1], batches[0][2].reshape(-1)])[:256])
     for name in methods:
         gc.collect()
@@ -581,11 +589,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         try:
             m.prepare(batches)
+            start = None
+            if not args.no_verify and m.exact:
+                start = (m.rows(0, probe_ids[0]).clone(), m.rows(1, probe_ids[1]).clone())
             for i in range(args.warmup):
                 m.step(batches[i % len(batches)])
-            if not args.no_verify and m.exact:
+            if start is not None:
                 # the same init and the same warm-up batches: exact methods agree on these rows
-                check_rows[name] = (m.rows(0, probe_ids[0]), m.rows(1, probe_ids[1]))
+                check_rows[name] = (*start, m.rows(0, probe_ids[0]), m.rows(1, probe_ids[1]))
             ms = _time_steps(m, batches, args, device)
             if getattr(args, "profile", None):
                 _profile(m, batches, device, args.profile, name)
@@ -615,21 +626,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             m.close()
             del m
-    verified: dict[str, bool] = {}
-    exact_ref = next((n for n in ("switchers", "dropin") if n in check_rows), None)
-    if exact_ref is not None:
-        ru, rv = check_rows[exact_ref]
-        for name, (u, v) in check_rows.items():
-            if name == "speedtorch":
-                continue  # repeats written separately: differs by design
+    verified: dict[str, Any] = {}
+    # torch's own SparseAdam on dense GPU tables is the independent reference where it ran
+    exact_ref = next((n for n in ("gpu", "switchers", "dropin") if n in check_rows), None)
+    if exact_ref is not None and len(set(check_rows) - {"speedtorch"}) > 1:
+        ref = check_rows[exact_ref]
+        verified[exact_ref] = "reference"
+        for name, rows in check_rows.items():
+            if name in ("speedtorch", exact_ref):
+                continue  # (speedtorch: repeats written separately, differs by design)
             # SparseAdam adds eps before its bias correction, Adam after: an element whose
             # gradient is ~eps can move by up to one step size (lr) per step differently
+            loose = "gpu" in (name, exact_ref)
             tol = (
                 {"rtol": 0.0, "atol": args.lr * max(1, args.warmup) * 1.01}
-                if name == "gpu"
+                if loose
                 else {"rtol": 1e-5, "atol": 1e-7}
             )
-            verified[name] = bool(torch.allclose(u, ru, **tol) and torch.allclose(v, rv, **tol))
+            ok = True
+            for k in (0, 1):
+                s0, r0, s, r = (x.float().cpu() for x in (ref[k], ref[k + 2], rows[k], rows[k + 2]))
+                moved_ref = float((r0 - s0).abs().mean())
+                ok = ok and bool(torch.allclose(r, r0, **tol))
+                # a method whose rows did not move as the reference's did (a step that does
+                # nothing) can stay within the loose tolerance: compare the moves too
+                ok = ok and float(((r - s) - (r0 - s0)).abs().mean()) <= 0.05 * moved_ref + 1e-12
+            verified[name] = ok
     ratio = None
     if "speedtorch" in results and "switchers" in results:
         ratio = results["speedtorch"]["ms_per_step"] / results["switchers"]["ms_per_step"]
