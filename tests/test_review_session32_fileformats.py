@@ -226,8 +226,12 @@ HEADER = "{{'descr': '{d}', 'fortran_order': False, 'shape': (37, 5), }}"
 CRAFTED = {
     "cnpy_16byte_aligned": dict(header=HEADER.format(d="<f4"), align=16),
     "unaligned_header": dict(header=HEADER.format(d="<f4"), align=1),
-    "keys_in_other_order": dict(header="{'shape': (37, 5), 'fortran_order': False, 'descr': '<f4'}", align=64),
-    "odd_spacing_v2": dict(header="{ 'descr' : '<f4' ,'fortran_order':False,'shape':( 37 ,5 ) }", version=(2, 0)),
+    "keys_in_other_order": dict(
+        header="{'shape': (37, 5), 'fortran_order': False, 'descr': '<f4'}", align=64
+    ),
+    "odd_spacing_v2": dict(
+        header="{ 'descr' : '<f4' ,'fortran_order':False,'shape':( 37 ,5 ) }", version=(2, 0)
+    ),
     "descr_native_eq": dict(header=HEADER.format(d="=f4")),
     "descr_no_byteorder": dict(header=HEADER.format(d="f4")),
     "descr_dtype_name": dict(header=HEADER.format(d="float32")),
@@ -371,32 +375,51 @@ def _h5_layouts(path):
     b = (A * 100).astype("i4")
     refs = {}
     with h5py.File(path, "w") as f:
-        f.create_dataset("a/b/c", data=A, chunks=(5, 3), compression="gzip", compression_opts=4,
-                         shuffle=True, fletcher32=True)
+        f.create_dataset(
+            "a/b/c",
+            data=A,
+            chunks=(5, 3),
+            compression="gzip",
+            compression_opts=4,
+            shuffle=True,
+            fletcher32=True,
+        )
         refs["a/b/c"] = A
         f.create_dataset("contiguous", data=A)
         refs["contiguous"] = A
         f.create_dataset("g/lzf", data=A, chunks=(4, 5), compression="lzf")
         refs["g/lzf"] = A
-        f.create_dataset("g/one_row_chunks", data=A, chunks=(1, 5), compression="gzip", compression_opts=9)
+        f.create_dataset(
+            "g/one_row_chunks", data=A, chunks=(1, 5), compression="gzip", compression_opts=9
+        )
         refs["g/one_row_chunks"] = A
         f.create_dataset("g/chunk_bigger_than_data", data=A, chunks=(100, 5), maxshape=(None, 5))
         refs["g/chunk_bigger_than_data"] = A
         f.create_dataset("g/scaleoffset", data=b, chunks=(8, 5), scaleoffset=0)
         refs["g/scaleoffset"] = b
-        f.create_dataset("g/big_endian_gzip", data=A.astype(">f8"), chunks=(6, 2), compression="gzip", shuffle=True)
+        f.create_dataset(
+            "g/big_endian_gzip",
+            data=A.astype(">f8"),
+            chunks=(6, 2),
+            compression="gzip",
+            shuffle=True,
+        )
         refs["g/big_endian_gzip"] = A.astype(">f8")
         f.create_dataset("g/big_endian_contiguous", data=b.astype(">i4"))
         refs["g/big_endian_contiguous"] = b.astype(">i4")
         d = f.create_dataset("g/grown", data=A, chunks=(4, 5), maxshape=(None, 5))
         d.resize((40, 5))
         refs["g/grown"] = d[()]
-        d = f.create_dataset("g/fill_unallocated", shape=(20, 4), dtype="f4", chunks=(4, 4), fillvalue=-3.5)
+        d = f.create_dataset(
+            "g/fill_unallocated", shape=(20, 4), dtype="f4", chunks=(4, 4), fillvalue=-3.5
+        )
         d[4:8] = 1.0
         refs["g/fill_unallocated"] = d[()]
         f.create_dataset("g/bool", data=A > 0, chunks=(4, 5))
         refs["g/bool"] = A > 0
-        f.create_dataset("g/cube", data=np.stack([A, -A], axis=2), chunks=(5, 2, 1), compression="gzip")
+        f.create_dataset(
+            "g/cube", data=np.stack([A, -A], axis=2), chunks=(5, 2, 1), compression="gzip"
+        )
         refs["g/cube"] = np.stack([A, -A], axis=2)
         f.create_dataset("g/vector", data=np.arange(37, dtype=np.int16), chunks=(4,))
         refs["g/vector"] = np.arange(37, dtype=np.int16)
@@ -418,9 +441,22 @@ def h5_layouts(tmp_path_factory):
     return p, refs
 
 
-H5_NAMES = ["a/b/c", "contiguous", "g/lzf", "g/one_row_chunks", "g/chunk_bigger_than_data",
-            "g/scaleoffset", "g/big_endian_gzip", "g/big_endian_contiguous", "g/grown",
-            "g/fill_unallocated", "g/bool", "g/cube", "g/vector", "g/compact"]
+H5_NAMES = [
+    "a/b/c",
+    "contiguous",
+    "g/lzf",
+    "g/one_row_chunks",
+    "g/chunk_bigger_than_data",
+    "g/scaleoffset",
+    "g/big_endian_gzip",
+    "g/big_endian_contiguous",
+    "g/grown",
+    "g/fill_unallocated",
+    "g/bool",
+    "g/cube",
+    "g/vector",
+    "g/compact",
+]
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -436,9 +472,21 @@ def test_hdf5_nested_dataset_with_and_without_leading_slash(h5_layouts, name):
     _check_values(path, refs["a/b/c"], "file", dataset=name)
 
 
-@pytest.mark.parametrize("name", ["a/b/c", "contiguous", "g/one_row_chunks", "g/big_endian_gzip",
-                                  "g/big_endian_contiguous", "g/grown", "g/fill_unallocated", "g/compact",
-                                  "g/scaleoffset", "g/cube"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "a/b/c",
+        "contiguous",
+        "g/one_row_chunks",
+        "g/big_endian_gzip",
+        "g/big_endian_contiguous",
+        "g/grown",
+        "g/fill_unallocated",
+        "g/compact",
+        "g/scaleoffset",
+        "g/cube",
+    ],
+)
 def test_hdf5_file_table_writes_through(tmp_path, h5_layouts, name):
     src, refs = h5_layouts
     p = tmp_path / "copy.h5"
@@ -559,23 +607,58 @@ def _zarr_variants(root):
 
     b = (A * 100).astype("i8")
     specs = {
-        "v3_zstd_split_cols": (A, dict(zarr_format=3, chunks=(5, 2), compressors=ZstdCodec(level=3))),
-        "v3_blosc_bitshuffle": (A, dict(zarr_format=3, chunks=(7, 5), compressors=BloscCodec(cname="lz4", shuffle="bitshuffle"))),
-        "v3_gzip_crc32c": (A, dict(zarr_format=3, chunks=(6, 5), compressors=[GzipCodec(level=1), Crc32cCodec()])),
+        "v3_zstd_split_cols": (
+            A,
+            dict(zarr_format=3, chunks=(5, 2), compressors=ZstdCodec(level=3)),
+        ),
+        "v3_blosc_bitshuffle": (
+            A,
+            dict(
+                zarr_format=3,
+                chunks=(7, 5),
+                compressors=BloscCodec(cname="lz4", shuffle="bitshuffle"),
+            ),
+        ),
+        "v3_gzip_crc32c": (
+            A,
+            dict(zarr_format=3, chunks=(6, 5), compressors=[GzipCodec(level=1), Crc32cCodec()]),
+        ),
         "v3_raw_one_chunk": (A, dict(zarr_format=3, chunks=(37, 5), compressors=None)),
         "v3_chunk_bigger_than_data": (A, dict(zarr_format=3, chunks=(100, 10))),
         "v3_sharded": (A, dict(zarr_format=3, chunks=(2, 5), shards=(8, 5))),
-        "v3_transposed": (A, dict(zarr_format=3, chunks=(6, 5), filters=[TransposeCodec(order=(1, 0))])),
-        "v3_big_endian": (A, dict(zarr_format=3, chunks=(5, 5), serializer=BytesCodec(endian="big"))),
-        "v3_dot_keys": (A, dict(zarr_format=3, chunks=(6, 5), chunk_key_encoding={"name": "default", "separator": "."})),
+        "v3_transposed": (
+            A,
+            dict(zarr_format=3, chunks=(6, 5), filters=[TransposeCodec(order=(1, 0))]),
+        ),
+        "v3_big_endian": (
+            A,
+            dict(zarr_format=3, chunks=(5, 5), serializer=BytesCodec(endian="big")),
+        ),
+        "v3_dot_keys": (
+            A,
+            dict(
+                zarr_format=3,
+                chunks=(6, 5),
+                chunk_key_encoding={"name": "default", "separator": "."},
+            ),
+        ),
         "v3_1d": (np.arange(37, dtype=np.int16), dict(zarr_format=3, chunks=(8,))),
         "v3_3d": (np.stack([A, -A], axis=2).astype("f8"), dict(zarr_format=3, chunks=(4, 3, 1))),
         "v3_bool": (A > 0, dict(zarr_format=3, chunks=(7, 2))),
         "v2_zlib": (A, dict(zarr_format=2, chunks=(5, 4), compressors=numcodecs.Zlib(level=5))),
-        "v2_blosc_zstd": (A, dict(zarr_format=2, chunks=(3, 5), compressors=numcodecs.Blosc(cname="zstd"))),
+        "v2_blosc_zstd": (
+            A,
+            dict(zarr_format=2, chunks=(3, 5), compressors=numcodecs.Blosc(cname="zstd")),
+        ),
         "v2_raw": (A, dict(zarr_format=2, chunks=(10, 5), compressors=None)),
-        "v2_slash_keys": (A, dict(zarr_format=2, chunks=(6, 5), chunk_key_encoding={"name": "v2", "separator": "/"})),
-        "v2_delta_filter": (b, dict(zarr_format=2, chunks=(6, 5), filters=[numcodecs.Delta(dtype="i8")])),
+        "v2_slash_keys": (
+            A,
+            dict(zarr_format=2, chunks=(6, 5), chunk_key_encoding={"name": "v2", "separator": "/"}),
+        ),
+        "v2_delta_filter": (
+            b,
+            dict(zarr_format=2, chunks=(6, 5), filters=[numcodecs.Delta(dtype="i8")]),
+        ),
         "v2_fortran_order": (A, dict(zarr_format=2, chunks=(5, 4), order="F")),
         "v2_big_endian": (A.astype(">f4"), dict(zarr_format=2, chunks=(5, 5))),
         "v2_chunk_bigger_than_data": (A, dict(zarr_format=2, chunks=(100, 10))),
@@ -592,7 +675,9 @@ def _zarr_variants(root):
     z[6:9] = 5
     out["v3_fill_missing_chunks"] = (p, z[...])
     p = root / "v2_nan_fill_missing_chunks.zarr"
-    z = zarr.create_array(store=str(p), shape=(30, 4), dtype="f4", chunks=(4, 4), fill_value=np.nan, zarr_format=2)
+    z = zarr.create_array(
+        store=str(p), shape=(30, 4), dtype="f4", chunks=(4, 4), fill_value=np.nan, zarr_format=2
+    )
     z[8:12] = 1.5
     out["v2_nan_fill_missing_chunks"] = (p, z[...])
     return out
@@ -605,11 +690,30 @@ def zarr_variants(tmp_path_factory):
         return _zarr_variants(root)
 
 
-ZARR_NAMES = ["v3_zstd_split_cols", "v3_blosc_bitshuffle", "v3_gzip_crc32c", "v3_raw_one_chunk",
-              "v3_chunk_bigger_than_data", "v3_sharded", "v3_transposed", "v3_big_endian", "v3_dot_keys",
-              "v3_1d", "v3_3d", "v3_bool", "v2_zlib", "v2_blosc_zstd", "v2_raw", "v2_slash_keys",
-              "v2_delta_filter", "v2_fortran_order", "v2_big_endian", "v2_chunk_bigger_than_data",
-              "v3_fill_missing_chunks", "v2_nan_fill_missing_chunks"]
+ZARR_NAMES = [
+    "v3_zstd_split_cols",
+    "v3_blosc_bitshuffle",
+    "v3_gzip_crc32c",
+    "v3_raw_one_chunk",
+    "v3_chunk_bigger_than_data",
+    "v3_sharded",
+    "v3_transposed",
+    "v3_big_endian",
+    "v3_dot_keys",
+    "v3_1d",
+    "v3_3d",
+    "v3_bool",
+    "v2_zlib",
+    "v2_blosc_zstd",
+    "v2_raw",
+    "v2_slash_keys",
+    "v2_delta_filter",
+    "v2_fortran_order",
+    "v2_big_endian",
+    "v2_chunk_bigger_than_data",
+    "v3_fill_missing_chunks",
+    "v2_nan_fill_missing_chunks",
+]
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -619,9 +723,21 @@ def test_zarr_variants_read_like_zarr(zarr_variants, name, placement):
     _check_values(path, ref, placement)
 
 
-@pytest.mark.parametrize("name", ["v3_zstd_split_cols", "v3_sharded", "v3_transposed", "v3_big_endian",
-                                  "v2_zlib", "v2_fortran_order", "v2_big_endian", "v2_delta_filter",
-                                  "v3_fill_missing_chunks", "v2_nan_fill_missing_chunks"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "v3_zstd_split_cols",
+        "v3_sharded",
+        "v3_transposed",
+        "v3_big_endian",
+        "v2_zlib",
+        "v2_fortran_order",
+        "v2_big_endian",
+        "v2_delta_filter",
+        "v3_fill_missing_chunks",
+        "v2_nan_fill_missing_chunks",
+    ],
+)
 def test_zarr_file_table_writes_through(tmp_path, zarr_variants, name):
     src, ref = zarr_variants[name]
     p = tmp_path / src.name
@@ -757,7 +873,9 @@ def test_symlinked_file_reads_and_writes_the_target(tmp_path):
     assert link.is_symlink() and _eq(np.load(real), A)
 
 
-@pytest.mark.parametrize("name,kw", [("noext", {}), ("weird.bin", {}), ("misnamed.h5", {"format": "npy"})])
+@pytest.mark.parametrize(
+    "name,kw", [("noext", {}), ("weird.bin", {}), ("misnamed.h5", {"format": "npy"})]
+)
 def test_npy_found_by_content_or_forced_format(tmp_path, name, kw):
     p = tmp_path / name
     np.save(tmp_path / "x.npy", A)
@@ -916,8 +1034,14 @@ def test_failing_load_leaves_table_unchanged(damaged_zarr):
     assert tuple(t.shape) == (3, 4) and _eq(_whole(t), old)
 
 
-@pytest.mark.parametrize("fmt,opts", [("h5", {"compression": "zstd"}), ("zarr", {"compression": "bogus"}),
-                                      ("h5", {"progress": "False"})])
+@pytest.mark.parametrize(
+    "fmt,opts",
+    [
+        ("h5", {"compression": "zstd"}),
+        ("zarr", {"compression": "bogus"}),
+        ("h5", {"progress": "False"}),
+    ],
+)
 def test_bad_save_options_refused_before_any_file(tmp_path, fmt, opts):
     target = tmp_path / f"t.{fmt}"
     with pytest.raises(gl.GadgetError):
@@ -958,8 +1082,13 @@ def test_save_failing_on_file_size_limit_keeps_old_files(tmp_path):
     targets = [tmp_path / f"t ü.{f}" for f in ("npy", "h5", "zarr")]
     for t in targets:
         gl.DataGadget(old, placement="cpu").save(t)
-    r = subprocess.run([sys.executable, "-c", script, *map(str, targets)], capture_output=True, text=True,
-                       env=ENV, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", script, *map(str, targets)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
     res = json.loads(r.stdout.strip().splitlines()[-1])
     for t in targets:
         kind, msg = res[str(t)]
@@ -985,8 +1114,13 @@ _KILL_SAVE = textwrap.dedent(
 
 
 def _interrupt_save(folder, target, sig):
-    p = subprocess.Popen([sys.executable, "-c", _KILL_SAVE, str(target)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=ENV)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _KILL_SAVE, str(target)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     assert p.stdout.readline().strip() == "start"
     t0 = time.time()
     while not any(".partial" in f for f in os.listdir(folder)) and time.time() - t0 < 30:
@@ -1106,18 +1240,25 @@ def test_gadget_dataset_over_unusual_files(tmp_path, h5_layouts):
     y = (np.arange(37) % 3).astype(">i8")
     np.save(tmp_path / "y.npy", y)
     ds = gl.GadgetDataset(str(tmp_path / "x.npy"), tmp_path / "y.npy")
-    (bx, by), = ds.__getitems__([36, 0, 5])
+    ((bx, by),) = ds.__getitems__([36, 0, 5])
     assert _eq(bx.cpu().numpy(), fx[[36, 0, 5]]) and _eq(by.cpu().numpy(), y[[36, 0, 5]])
     path, refs = h5_layouts
     g = gl.DataGadget(path, dataset="g/one_row_chunks", placement="file")
     ds2 = gl.GadgetDataset(g, y.astype("<i8"))
-    (bx, by), = ds2.__getitems__([1, 2])
+    ((bx, by),) = ds2.__getitems__([1, 2])
     assert _eq(bx.cpu().numpy(), refs["g/one_row_chunks"][[1, 2]])
 
 
-@pytest.mark.parametrize("dt,shape,fortran", [(">f8", (301, 3), False), ("<f2", (301, 3), False),
-                                               (">i2", (301, 3, 1), False), (">f8", (301, 3), True),
-                                               ("|b1", (301, 7), False)])
+@pytest.mark.parametrize(
+    "dt,shape,fortran",
+    [
+        (">f8", (301, 3), False),
+        ("<f2", (301, 3), False),
+        (">i2", (301, 3, 1), False),
+        (">f8", (301, 3), True),
+        ("|b1", (301, 7), False),
+    ],
+)
 def test_unaligned_header_with_odd_row_sizes(tmp_path, dt, shape, fortran):
     arr = RNG.standard_normal(shape).astype(dt)
     arr = np.asfortranarray(arr) if fortran else arr
@@ -1243,24 +1384,52 @@ def cli(tmp_path_factory):
         f.create_dataset("a/b/c", data=A, chunks=(5, 3), compression="gzip", shuffle=True)
         f.create_dataset("other", data=np.zeros(3))
     with _quiet():
-        z = zarr.create_array(store=str(root / "v2.zarr"), shape=A.shape, dtype=">f4", chunks=(6, 2), zarr_format=2)
+        z = zarr.create_array(
+            store=str(root / "v2.zarr"), shape=A.shape, dtype=">f4", chunks=(6, 2), zarr_format=2
+        )
         z[:] = A
     np.save(root / "empty.npy", np.zeros((0, 4), np.float32))
     np.save(root / "plain.npy", A)
     os.link(root / "plain.npy", root / "plain_hard.npy")
     jobs = {
-        "be_fortran_to_h5": [str(d / "bé f.npy"), str(d / "oüt.h5"), "--dst-dataset", "x/y", "--compression", "gzip"],
-        "nested_h5_to_zarr": [str(root / "n.h5"), str(root / "n.zarr"), "--dataset", "/a/b/c", "--chunk-rows", "4"],
+        "be_fortran_to_h5": [
+            str(d / "bé f.npy"),
+            str(d / "oüt.h5"),
+            "--dst-dataset",
+            "x/y",
+            "--compression",
+            "gzip",
+        ],
+        "nested_h5_to_zarr": [
+            str(root / "n.h5"),
+            str(root / "n.zarr"),
+            "--dataset",
+            "/a/b/c",
+            "--chunk-rows",
+            "4",
+        ],
         "v2_zarr_to_npy": [str(root / "v2.zarr"), str(root / "v2.npy")],
         "zero_rows": [str(root / "empty.npy"), str(root / "empty.h5")],
         "same_file": [str(root / "plain.npy"), str(root / "plain.npy")],
         "same_file_hard_link": [str(root / "plain.npy"), str(root / "plain_hard.npy")],
-        "bad_compression": [str(root / "plain.npy"), str(root / "bad1.h5"), "--compression", "bogus"],
+        "bad_compression": [
+            str(root / "plain.npy"),
+            str(root / "bad1.h5"),
+            "--compression",
+            "bogus",
+        ],
         "bad_to": [str(root / "plain.npy"), str(root / "bad2.h5"), "--to", "bogus"],
     }
-    procs = {k: subprocess.Popen([sys.executable, "-m", "gadgetloader", "convert", *v, "--no-progress"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-             for k, v in jobs.items()}
+    procs = {
+        k: subprocess.Popen(
+            [sys.executable, "-m", "gadgetloader", "convert", *v, "--no-progress"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+        )
+        for k, v in jobs.items()
+    }
     res = {}
     for k, p in procs.items():
         out, err = p.communicate(timeout=120)
@@ -1323,8 +1492,13 @@ def test_convert_interrupted_exits_130_and_writes_nothing(tmp_path):
     src = tmp_path / "big.npy"
     np.save(src, np.ones((200_000, 256), np.float32))
     dst = tmp_path / "out.h5"
-    p = subprocess.Popen([sys.executable, "-m", "gadgetloader", "convert", str(src), str(dst), "--no-progress"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "gadgetloader", "convert", str(src), str(dst), "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     t0 = time.time()
     while not any(".partial" in f for f in os.listdir(tmp_path)) and time.time() - t0 < 60:
         if p.poll() is not None:
