@@ -13,7 +13,6 @@ whether the benchmark's ``check`` column notices), so the whole file stays well 
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import importlib.util
 import json
 import math
@@ -31,7 +30,13 @@ import torch
 from gadgetloader.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
+ENV = dict(
+    os.environ,
+    CUDA_VISIBLE_DEVICES="",
+    # the repository first, then whatever the test process was given (packages carried
+    # onto a machine through PYTHONPATH, such as zarr)
+    PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+)
 HAS_H5PY = importlib.util.find_spec("h5py") is not None
 HAS_ZARR = importlib.util.find_spec("zarr") is not None
 FORMATS = ["npy"] + (["hdf5"] if HAS_H5PY else []) + (["zarr"] if HAS_ZARR else [])
@@ -1087,7 +1092,7 @@ def test_info_reports_versions_and_no_gpu(runs):
     res = dr["info"]
     assert res["rc"] == 0, res["stderr"][-2000:]
     d = _json(runs, "info.json")
-    assert d["gadgetloader"] == importlib.metadata.version("gadgetloader")
+    assert d["gadgetloader"] == __import__("gadgetloader").__version__
     assert d["torch"] == torch.__version__
     assert d["numpy"] == np.__version__
     assert d["python"] == platform.python_version()

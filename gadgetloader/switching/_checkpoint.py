@@ -817,9 +817,9 @@ def load_checkpoint(
                     )
         elif kind == "offloaded_optimizer":
             check_optimizer_kind(meta, obj.inner, f"checkpoint object {name!r}")
-            obj.check_inner_state(meta["inner"], f"checkpoint object {name!r}")
             if meta.get("optimizer") is None:  # written before the class was recorded
                 obj._check_untagged(meta["inner"], f"checkpoint object {name!r}")
+            obj.check_inner_state(meta["inner"], f"checkpoint object {name!r}")
         _refuse_mid_step(name, obj, "loading")
         files = {t: os.path.join(d, f) for t, f in entry["tables"].items()}
         for tname, path in files.items():

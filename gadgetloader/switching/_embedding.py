@@ -1498,9 +1498,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 f"got keys {keys}"
             )
         check_optimizer_kind(state_dict, self.inner, "the state dict")
-        self.check_inner_state(state_dict["inner"], "the state dict")
         if state_dict.get("optimizer") is None:
             self._check_untagged(state_dict.get("inner"), "the state dict")
+        self.check_inner_state(state_dict["inner"], "the state dict")
         # check everything before writing anything: a bad state dict changes nothing
         for pager in self.pagers:
             pager.follow_hyper()  # state a scheduler turned on since construction has its table

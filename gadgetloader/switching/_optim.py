@@ -180,8 +180,9 @@ def check_optimizer_state(
         missing = sorted(k for k in own if k != "params" and k not in saved)
         if missing:
             raise GadgetValueError(
-                f"{what}: saved parameter group {n} lacks the option(s) {missing} that this "
-                f"{optimizer_kind(optimizer)}'s groups have"
+                f"{what}: the saved optimizer state does not fit this "
+                f"{optimizer_kind(optimizer)}: saved parameter group {n} lacks the option(s) "
+                f"{missing} its groups have (state of another optimizer class?)"
             )
         for k, v in own.items():
             new = saved.get(k)
