@@ -397,7 +397,10 @@ def _probe_proc(tmp_path_factory):
     yield holder
     if proc.poll() is None:
         proc.kill()
-        proc.communicate()
+    proc.wait()
+    for pipe in (proc.stdout, proc.stderr):  # (also when no test read them)
+        if pipe is not None:
+            pipe.close()
 
 
 @pytest.fixture(scope="module")
