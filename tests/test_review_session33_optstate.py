@@ -201,6 +201,11 @@ class LazyRef:
             st = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.scalars.items()}
             st.update({k: v[u].clone() for k, v in self.full.items()})
             self.opt.state[P] = st
+        elif isinstance(self.opt, torch.optim.Adagrad):
+            # torch before 2.12 fills Adagrad's state in __init__ only (later ones on the
+            # first step): give the fresh parameter the state __init__ would have
+            iav = self.opt.defaults["initial_accumulator_value"]
+            self.opt.state[P] = {"step": torch.tensor(0.0), "sum": torch.full_like(P, iav)}
         self.opt.zero_grad()
         loss = (self.head(torch.tanh(F.embedding(inv, P))).squeeze(-1) - y).pow(2).mean()
         loss.backward()
