@@ -124,6 +124,19 @@ def _file_id(path: str) -> tuple[int, int]:
     return (st.st_dev, st.st_ino)
 
 
+def _pin(paths: tuple[str, ...]) -> list[int]:
+    """A read-only descriptor on each path (file or folder), held while a store is open:
+    an inode in use is never handed to a new file, so a file deleted and written anew
+    under its name (which would often get the freed inode) gets another (device, inode)
+    and :meth:`FileStore._check_file` tells it from the file opened. A path that cannot
+    be opened so (a folder on some systems) is left unpinned."""
+    fds = []
+    for p in paths:
+        with contextlib.suppress(OSError):
+            fds.append(os.open(p, os.O_RDONLY))
+    return fds
+
+
 class FileStore(Store):
     """A table read from (and written through to) its file on demand.
 
@@ -164,10 +177,11 @@ class FileStore(Store):
     across several calls). Every
     call also checks that the file is still the one the store opened: a file replaced
     on disk (another ``save``, or any program that writes a new file and renames it over
-    the name), deleted, a .npy or HDF5 file truncated (or rewritten in place) below its
+    the name), deleted (or deleted and written anew under its name), a .npy or HDF5 file truncated (or rewritten in place) below its
     size, or a file reopened with another shape or dtype raises
     :class:`~gadgetloader.GadgetFileError` (open the new file with a new table, or
-    ``DataGadget.load``) instead of mixing two files' rows. A program that rewrites the
+    ``DataGadget.load``) instead of mixing two files' rows; from then on every call does
+    (the file is let go, even if it comes back). A program that rewrites the
     same file in place at the same or a larger size is not detected.
     """
 
@@ -249,6 +263,9 @@ class FileStore(Store):
         )
         #: the files this store opened: (device, inode) each, and a .npy's size (fixed by
         #: its header)
+        self._pins = _pin(self._watch_paths)  # (before the ids are taken: see _pin)
+        #: why the file is no longer this table's (gone, replaced, shrunk), once found
+        self._lost: str | None = None
         self._ident = tuple(_file_id(p) for p in self._watch_paths)
         st = os.stat(self._watch_paths[0])
         self._size0 = st.st_size if self._format == "npy" else None
@@ -266,7 +283,7 @@ class FileStore(Store):
     def _watch(self) -> None:
         """Close the file when the store is garbage-collected (not at interpreter exit);
         list the store among its file's open tables."""
-        fin = weakref.finalize(self, _close_held, self._holder)
+        fin = weakref.finalize(self, _close_held, self._holder, self._pins)
         fin.atexit = False
         with _LOCKS_GUARD:
             _OPEN.setdefault(self._key, weakref.WeakSet()).add(self)
@@ -290,8 +307,17 @@ class FileStore(Store):
                 _release_deferred(self._key)  # other tables' closes that gave up waiting
 
     def _check_file(self) -> None:
-        for path, ident in zip(self._watch_paths, self._ident, strict=True):
-            self._check_one(path, ident)
+        if self._lost is not None:
+            raise GadgetFileError(self._lost)
+        try:
+            for path, ident in zip(self._watch_paths, self._ident, strict=True):
+                self._check_one(path, ident)
+        except GadgetFileError as exc:
+            # for good: the file (and its inode, see _pin) is let go, so a file made later
+            # under the name, even on the same inode, is never taken for it
+            self._lost = str(exc)
+            self._release_locked()
+            raise
 
     def _check_one(self, path: str, ident: tuple[int, int]) -> None:
         try:
@@ -315,6 +341,8 @@ class FileStore(Store):
 
     def file_replaced(self) -> bool:
         """Whether the path now names another file than the one this store opened."""
+        if self._lost is not None:
+            return True
         try:
             return tuple(_file_id(p) for p in self._watch_paths) != self._ident
         except OSError:
@@ -430,7 +458,17 @@ class FileStore(Store):
             self._src = None
             self._src_mode = "r"
         state = self.__dict__.copy()
-        for key in ("_holder", "_lru", "_free", "_slab", "_stages", "_events", "stats", "_mm"):
+        for key in (
+            "_holder",
+            "_pins",
+            "_lru",
+            "_free",
+            "_slab",
+            "_stages",
+            "_events",
+            "stats",
+            "_mm",
+        ):
             state.pop(key, None)
         state["_src_mode"] = "r"  # a copy opens the file for writing only when it writes
         return state
@@ -438,6 +476,9 @@ class FileStore(Store):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._holder = [None]
+        # (a file replaced since the original opened it is not the one pinned here: the
+        # ids taken then tell it apart)
+        self._pins = [] if self._closed else _pin(self._watch_paths)
         self._reset_process_state()
         self._watch()
 
@@ -466,6 +507,7 @@ class FileStore(Store):
         if self._src is not None:
             self._src.close()
         self._src = None
+        _unpin(self._pins)
         self._lru.clear()
         self._free = list(range(self._capacity - 1, -1, -1))
         self._slab = None
@@ -893,12 +935,20 @@ class FileStore(Store):
             e.synchronize()
 
 
-def _close_held(holder: list[ArraySource | None]) -> None:
+def _close_held(holder: list[ArraySource | None], pins: list[int]) -> None:
     src = holder[0]
     holder[0] = None
     if src is not None:
         with contextlib.suppress(Exception):  # never raise from a finalizer
             src.close()
+    _unpin(pins)
+
+
+def _unpin(pins: list[int]) -> None:
+    """Close the descriptors of :func:`_pin` (once: the list is emptied)."""
+    while pins:
+        with contextlib.suppress(OSError):
+            os.close(pins.pop())
 
 
 def _numpy_bits(t: torch.Tensor) -> np.ndarray:
