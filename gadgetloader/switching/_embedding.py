@@ -15,7 +15,8 @@ import itertools
 import math
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from .._device import cuda_available, cupy_available, resolve_device, user_stack
 from .._dtypes import as_torch_dtype, dtype_name
 from .._errors import GadgetTypeError, GadgetValueError, as_count, as_flag
 from .._ids import as_ids, range_check_of
-from ..gadget import DataGadget
+from ..gadget import DataGadget, as_tensor_data
 from ..stores._base import FusedRows
 from ..stores._base import gather_many as gather_stores
 from . import _graphs as _captured
@@ -41,9 +42,6 @@ from ._optim import (
 )
 from ._rows import RowPlan, exact_plan, plan_rows, plan_rows_async
 from ._torchfile import table_tensor
-
-if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
 
 __all__ = ["OffloadedEmbedding", "OffloadedEmbeddingBag", "OffloadedOptimizer"]
 
@@ -199,6 +197,7 @@ class _OffloadedTable(nn.Module):
 
     @property
     def placement(self) -> str:
+        """Where the table's rows live (``'pinned'``, ``'cuda'``, ``'cpu'``, ``'file'``)."""
         return self.table.placement
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -209,7 +208,8 @@ class _OffloadedTable(nn.Module):
 
     def requires_grad_(self, requires_grad: bool = True) -> _OffloadedTable:
         """``requires_grad_(False)`` freezes the table, as for ``nn.Embedding``: lookups
-        return constants, and the optimizer leaves the table and its state alone."""
+        return constants, and the optimizer leaves the table and its state alone;
+        ``requires_grad_(True)`` (the default ``requires_grad``) trains it again."""
         _set(self, "_frozen", not requires_grad)
         return super().requires_grad_(requires_grad)  # type: ignore[return-value]
 
@@ -588,8 +588,13 @@ class _OffloadedTable(nn.Module):
         if key in state_dict:
             t = state_dict[key]
             if isinstance(t, np.ndarray):
-                t = torch.from_numpy(t)
-            if not isinstance(t, torch.Tensor):
+                try:  # any layout, byte order or read-only array (np.load(mmap_mode='r'))
+                    t = as_tensor_data(t, key)
+                except GadgetTypeError as exc:
+                    t = exc
+            if isinstance(t, GadgetTypeError):
+                error_msgs.append(str(t))
+            elif not isinstance(t, torch.Tensor):
                 error_msgs.append(
                     f"{key}: expected a tensor or NumPy array, got {type(t).__name__}"
                 )
@@ -1222,7 +1227,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         weakref.finalize(self, _detach, [weakref.ref(m) for m in tables])
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's ``add_param_group``; ``params`` may also name offloaded modules, whose
+        """torch's ``add_param_group(param_group)``: a dict with ``params`` and this group's
+        options. ``params`` may also name offloaded modules, whose
         tables then train with this group's options from fresh optimizer state (as a
         parameter added to a torch optimizer does)."""
         if "pagers" not in self.__dict__:  # torch's __init__ adding the first groups
@@ -1556,8 +1562,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             pager.mark_loaded()
 
     def check_inner_state(self, sd: Any, what: str) -> None:
-        """Refuse a saved inner (torch) optimizer state that does not fit: see
-        :func:`check_optimizer_state`; the dense parameters' state must have their shapes."""
+        """Refuse a saved inner (torch) optimizer state ``sd`` (a torch optimizer's
+        ``state_dict()``) that does not fit the inner optimizer, with an error that names it
+        as ``what`` (e.g. ``'the state dict'``): see
+        :func:`check_optimizer_state`; the dense parameters' state must have their shapes.
+        Used by :meth:`load_state_dict` and checkpoints before anything changes."""
         check_optimizer_state(
             self.inner,
             sd,
