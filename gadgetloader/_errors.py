@@ -8,6 +8,9 @@ plain Python or NumPy keeps working.
 
 from __future__ import annotations
 
+import errno
+import os
+
 import numpy as np
 
 __all__ = [
@@ -53,7 +56,23 @@ class GadgetFileError(GadgetError, OSError):
 
 
 class GadgetFileNotFoundError(GadgetFileError, FileNotFoundError):
-    """A path that does not exist (a :class:`GadgetFileError` and a ``FileNotFoundError``)."""
+    """A path that does not exist (a :class:`GadgetFileError` and a ``FileNotFoundError``).
+
+    As the builtin's, ``errno`` is ``errno.ENOENT`` and ``filename`` the missing path
+    (the file, or the directory a save would write into), so ``except OSError as e:
+    if e.errno == errno.ENOENT`` works; ``str(e)`` is the message alone."""
+
+    def __init__(self, message: str, filename: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno.ENOENT
+        self.strerror = message
+        self.filename = None if filename is None else os.fspath(filename)
+
+    def __str__(self) -> str:  # OSError would prefix "[Errno 2]" and repeat the path
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple[type, tuple[str, str | None]]:
+        return type(self), (str(self), self.filename)
 
 
 class ReadOnlyError(GadgetError, PermissionError):

@@ -44,6 +44,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     p = argparse.ArgumentParser(
         prog="gadgetloader", description="PyTorch tables too big for the GPU."
     )
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"gadgetloader {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     info = sub.add_parser(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import operator
@@ -655,14 +656,18 @@ class DataGadget:
     # ---- facts ---------------------------------------------------------------------------
     @property
     def store(self) -> Store:
+        """The store that holds the rows (a ``CpuStore``, ``SlotStore``, ``FileStore``, ...:
+        placement-specific details such as a file's path, dataset name and chunk size)."""
         return self._store
 
     @property
     def shape(self) -> _Shape:
+        """The table's shape: ``(rows,) + row_shape``."""
         return self._store.shape
 
     @property
     def dtype(self) -> torch.dtype:
+        """The rows' torch dtype."""
         return self._store.dtype
 
     @property
@@ -677,10 +682,13 @@ class DataGadget:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the table's rows take (``rows * row bytes``; a file store's, on disk
+        uncompressed)."""
         return self._store.nbytes
 
     @property
     def row_shape(self) -> _Shape:
+        """The shape of one row (``shape[1:]``; ``()`` for a 1-D table)."""
         return self._store.row_shape
 
     def __len__(self) -> int:
@@ -734,9 +742,16 @@ class DataGadget:
 
     def __repr__(self) -> str:
         closed = ", closed" if self._store.closed else ""
+        source = ""
+        path = getattr(self._store, "path", None)  # a file table's file (and dataset)
+        if isinstance(path, str):
+            source = f", path={path!r}"
+            dataset = getattr(self._store, "dataset", None)
+            if dataset:
+                source += f", dataset={dataset!r}"
         return (
             f"DataGadget(shape={self.shape}, dtype={dtype_name(self.dtype)}, "
-            f"placement={self.placement!r}, device={str(self._device)!r}{closed})"
+            f"placement={self.placement!r}, device={str(self._device)!r}{source}{closed})"
         )
 
     # ---- rows in and out -----------------------------------------------------------------
@@ -1152,7 +1167,8 @@ class DataGadget:
     gather = getData
 
     def scatter(self, indexes: Any, data: Any) -> None:
-        """``insertData`` with torch's argument order: ``scatter(ids, rows)``."""
+        """``insertData`` with torch's argument order: ``scatter(ids, rows)`` writes ``data``
+        (rows as :meth:`insertData` takes them) at the row ids ``indexes``."""
         self.insertData(data, indexes)
 
     # ---- whole-table access ------------------------------------------------------------
@@ -1259,8 +1275,10 @@ class DataGadget:
     @_on_current_store
     def init_(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> DataGadget:
         """Fill the table in place with any torch initializer, e.g.
-        ``g.init_(torch.nn.init.xavier_uniform_)``. On ``pinned`` the GPU writes
-        straight into host RAM: no GPU-sized temporary."""
+        ``g.init_(torch.nn.init.xavier_uniform_)``: ``fn`` is called as
+        ``fn(tensor, *args, **kwargs)`` on a tensor of the table's rows and must fill it in
+        place (a ``file`` table takes elementwise initializers only, run block by block).
+        On ``pinned`` the GPU writes straight into host RAM: no GPU-sized temporary."""
         if not callable(fn):
             raise GadgetTypeError(
                 f"init_ takes a function that fills a tensor in place (e.g. "
@@ -1301,6 +1319,7 @@ class DataGadget:
             )
 
     def zero_(self) -> DataGadget:
+        """Set every element to zero (``fill_(0)``); returns the table."""
         return self.init_(torch.Tensor.zero_)
 
     def fill_(self, value: float) -> DataGadget:
@@ -1383,7 +1402,9 @@ class DataGadget:
         self, low: float = 0.0, high: float = 1.0, *, generator: torch.Generator | None = None
     ) -> DataGadget:
         """Fill the table from U(low, high) (``low <= high``, both finite and within the
-        dtype's range, as is ``high - low``; floating-point tables)."""
+        dtype's range, as is ``high - low``; floating-point tables). ``generator``: a
+        ``torch.Generator`` on the table's device for reproducible draws (torch's default
+        generator when None)."""
         _refuse_partial_torch_init()
         self._check_float("uniform_")
         low, high = self._check_bounds("uniform_", low=low, high=high)
@@ -1400,7 +1421,8 @@ class DataGadget:
         self, mean: float = 0.0, std: float = 1.0, *, generator: torch.Generator | None = None
     ) -> DataGadget:
         """Fill the table from N(mean, std**2) (``std >= 0``; ``mean`` and ``std`` finite and
-        within the dtype's range; floating-point tables)."""
+        within the dtype's range; floating-point tables). ``generator`` as for
+        :meth:`uniform_`."""
         _refuse_partial_torch_init()
         self._check_float("normal_")
         try:
@@ -1488,7 +1510,8 @@ class DataGadget:
             self.load(path, dataset=dataset, format=format, progress=False)
 
     def saveCupy(self, saveFileName: str | os.PathLike[str]) -> None:
-        """Save as .npy (SpeedTorch's name); atomic and streamed like :meth:`save`.
+        """Save as .npy to ``saveFileName`` (SpeedTorch's name); atomic and streamed like
+        :meth:`save`.
 
         As ``numpy.save`` (which SpeedTorch used), ``.npy`` is appended to a name that
         does not end with it: ``saveCupy("emb")`` writes ``emb.npy``."""
@@ -1498,7 +1521,8 @@ class DataGadget:
         self.save(path, format="npy")
 
     def loadCupy(self, loadFileName: str | os.PathLike[str]) -> None:
-        """Replace the table with the .npy file's contents (SpeedTorch's name), keeping the placement.
+        """Replace the table with the contents of the .npy file ``loadFileName`` (SpeedTorch's
+        name), keeping the placement.
 
         The file is checked (exists, not truncated, supported dtype) before the
         current table is replaced; the new table is read before the old one is freed,
@@ -1660,6 +1684,13 @@ class DataGadget:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
+    def __copy__(self) -> DataGadget:
+        """``copy.copy`` gives an independent table, as ``copy.deepcopy`` and pickling do
+        (a ``cpu`` table's rows copied, a ``file`` table's file reopened; ``cuda`` /
+        ``pinned`` tables refuse): a shallow copy would share the store, and its
+        ``close()`` would free the rows under the original."""
+        return copy.deepcopy(self)
+
 
 def _id_count(indexes: Any) -> int:
     """How many ids ``indexes`` holds, where that is cheap to tell (else 0)."""
@@ -1708,8 +1739,9 @@ def _fused_group(gadgets: Any) -> list[DataGadget]:
 def gather_many(
     gadgets: Any, indexes: Any, *, device: Any = None, check_ids: bool = True
 ) -> list[torch.Tensor]:
-    """The rows at ``indexes`` of several tables with the same row count at once -- e.g.
-    an embedding table and its optimizer states.
+    """The rows at ``indexes`` of several tables at once: ``gadgets`` is a list (or tuple)
+    of DataGadget with the same row count -- e.g. an embedding table and its optimizer
+    states.
 
     The ids are converted and checked once; tables that are all CUDA-addressable
     (``cuda`` / ``pinned``) with the same row size in bytes are moved by one GPU launch

@@ -74,7 +74,8 @@ class GadgetBatch(tuple):  # type: ignore[type-arg]
         :class:`~gadgetloader.GadgetTypeError`, since one cast for every column would turn
         integer labels into floats; cast columns one by one instead
         (``x.to(torch.float16), y``). As everywhere in gadgetloader, a CUDA device on a
-        machine without CUDA means the CPU, with one ``FallbackWarning``."""
+        machine without CUDA means the CPU, with one ``FallbackWarning``. ``non_blocking``
+        is passed to each column's ``Tensor.to`` (asynchronous copies from pinned memory)."""
         if isinstance(device, (torch.dtype, torch.Tensor, bool)):
             raise GadgetTypeError(
                 "GadgetBatch.to moves every column to a device and takes a device only; got "
@@ -633,7 +634,11 @@ class GadgetDataset(Dataset[Any]):
 
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Free the tables this dataset created (not DataGadgets passed in). Idempotent."""
+        """Free the tables this dataset created (not DataGadgets passed in). Idempotent.
+
+        A ``copy.copy`` of the dataset shares its columns and owns none of them (its
+        ``close()`` frees nothing); ``copy.deepcopy`` and pickles copy ``cpu`` columns and
+        reopen ``file`` columns, and own what they made."""
         self._group = self._expect = None
         for g in self._owned:
             g.close()
@@ -651,6 +656,14 @@ class GadgetDataset(Dataset[Any]):
         # a copy (pickle, copy, deepcopy) is registered as the original is in __init__
         self.__dict__.update(state)
         keep_in_forked_child(self)
+
+    def __copy__(self) -> GadgetDataset:
+        # the columns are shared, and stay the original's to free (see close)
+        new = type(self).__new__(type(self))
+        state = self.__getstate__()
+        state["_owned"] = []
+        new.__setstate__(state)
+        return new
 
     def __enter__(self) -> GadgetDataset:
         return self

@@ -229,10 +229,14 @@ class GadgetLoader:
     # ---- facts -------------------------------------------------------------------------------
     @property
     def dataset(self) -> GadgetDataset:
+        """The :class:`GadgetDataset` the batches come from (built from ``dataset=`` when
+        that was not one already)."""
         return self._dataset
 
     @property
     def sampler(self) -> GadgetSampler:
+        """The :class:`GadgetSampler` that orders the batches (the one given, or the one
+        built from ``batch_size=``, ``order=``, ...)."""
         return self._sampler
 
     @property
@@ -242,11 +246,21 @@ class GadgetLoader:
 
     @property
     def device(self) -> torch.device:
+        """Where the batches' tensors are: the dataset's device."""
         return self._device
 
     def __len__(self) -> int:
         """Batches per epoch (on this rank)."""
         return len(self._sampler)
+
+    def __repr__(self) -> str:
+        workers = self._dataloader.num_workers
+        return (
+            f"GadgetLoader({len(self._dataset)} rows, {len(self)} batches of "
+            f"{self._sampler.batch_size}, order={self._sampler.order!r}, "
+            f"device={str(self._device)!r}, num_workers={workers}, prefetch={self._prefetch}, "
+            f"coalesce={self._coalesce})"
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` at the next ``iter()``: from its first batch, or, right after

@@ -563,14 +563,17 @@ class GadgetSampler(Sampler[Any]):
     # ---- facts -----------------------------------------------------------------------------
     @property
     def num_rows(self) -> int:
+        """Rows of the dataset this sampler orders (all ranks together)."""
         return self._num_rows
 
     @property
     def batch_size(self) -> int:
+        """Ids per batch (the last batch of an epoch may be shorter unless ``drop_last``)."""
         return self._batch_size
 
     @property
     def order(self) -> str:
+        """``'sequential'``, ``'random'`` or ``'chunk'``: how each epoch orders the rows."""
         return self._order
 
     @property
@@ -580,6 +583,8 @@ class GadgetSampler(Sampler[Any]):
 
     @property
     def seed(self) -> int:
+        """The seed of every epoch's order (with the epoch number: the same seed and epoch give
+        the same order on every rank and run)."""
         return self._seed
 
     @property
@@ -591,22 +596,29 @@ class GadgetSampler(Sampler[Any]):
 
     @property
     def num_replicas(self) -> int:
+        """Ranks the rows are split over (1 without sharding)."""
         return self._num_replicas
 
     @property
     def rank(self) -> int:
+        """This sampler's rank among :attr:`num_replicas` (0 without sharding)."""
         return self._rank
 
     @property
     def drop_last(self) -> bool:
+        """Whether an epoch's last, shorter batch is left out."""
         return self._drop_last
 
     @property
     def pad(self) -> bool:
+        """Whether the last batch on every rank is filled up to :attr:`batch_size` with rows
+        repeated from the start of the epoch order."""
         return self._pad
 
     @property
     def chunk_rows(self) -> int | None:
+        """Rows per file chunk that ``order='chunk'`` shuffles whole: the value given, else
+        (for that order) the one the dataset's columns report; None otherwise."""
         return self._chunk_rows
 
     @property

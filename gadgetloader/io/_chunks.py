@@ -121,14 +121,16 @@ def check_sink_target(path: Path, shape: tuple[int, ...], store: str = "file") -
             "cannot be loaded back"
         )
     if not path.parent.exists():
-        raise GadgetFileNotFoundError(f"directory {path.parent} does not exist (saving {path})")
+        raise GadgetFileNotFoundError(
+            f"directory {path.parent} does not exist (saving {path})", path.parent
+        )
     # a save writes a temporary file beside the target (the file a link names) and renames
     # it over the target
     folder = resolved_target(path).parent
     if not folder.is_dir():  # a link into a folder that does not exist
         if folder.exists():
             raise GadgetFileError(f"cannot save {path}: {folder} is not a directory")
-        raise GadgetFileNotFoundError(f"directory {folder} does not exist (saving {path})")
+        raise GadgetFileNotFoundError(f"directory {folder} does not exist (saving {path})", folder)
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ReadOnlyError(
             f"cannot save {path}: the directory {folder} is not writable (a save writes "

@@ -447,7 +447,7 @@ class Hdf5Source(ArraySource):
         if mode not in ("r", "r+"):
             raise GadgetValueError(f"mode must be 'r' or 'r+'; got {mode!r}")
         if not os.path.exists(self.path):
-            raise GadgetFileNotFoundError(f"no such HDF5 file: {self.path}")
+            raise GadgetFileNotFoundError(f"no such HDF5 file: {self.path}", self.path)
         if os.path.isdir(self.path):
             raise GadgetFileError(f"{self.path} is a directory, not an HDF5 file")
         if not is_hdf5(self.path):

@@ -99,7 +99,7 @@ class NpySource(ArraySource):
                 f"{self.path}: a .npy file holds one array; dataset={dataset!r} does not apply"
             )
         if not os.path.exists(self.path):
-            raise GadgetFileNotFoundError(f"no such .npy file: {self.path}")
+            raise GadgetFileNotFoundError(f"no such .npy file: {self.path}", self.path)
         if os.path.isdir(self.path):
             raise GadgetFileError(f"{self.path} is a directory, not a .npy file")
         self._mode = mode

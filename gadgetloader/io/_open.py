@@ -71,7 +71,7 @@ def guess_format(path: str | os.PathLike[str], *, must_exist: bool = True) -> st
             return name
     if must_exist:
         if not os.path.exists(p):
-            raise GadgetFileNotFoundError(f"no such file or directory: {p}")
+            raise GadgetFileNotFoundError(f"no such file or directory: {p}", p)
         for name, (_, _, _, sniff) in _REGISTRY.items():
             if sniff(p):
                 return name
@@ -115,7 +115,7 @@ def open_source(
     try:
         fmt = _check_format(format) if format else guess_format(path)
         if not os.path.exists(path):
-            raise GadgetFileNotFoundError(f"no such file or directory: {path}")
+            raise GadgetFileNotFoundError(f"no such file or directory: {path}", path)
         _check_dataset(dataset)
         factory = _REGISTRY[fmt][0]
         if dataset is not None:

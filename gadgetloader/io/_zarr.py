@@ -185,7 +185,7 @@ class ZarrSource(ArraySource):
         if mode not in ("r", "r+"):
             raise GadgetValueError(f"mode must be 'r' or 'r+'; got {mode!r}")
         if not os.path.exists(self.path):
-            raise GadgetFileNotFoundError(f"no such zarr store: {self.path}")
+            raise GadgetFileNotFoundError(f"no such zarr store: {self.path}", self.path)
         if not is_zarr(self.path):
             kind = "a directory" if os.path.isdir(self.path) else "a file"
             raise GadgetFileError(

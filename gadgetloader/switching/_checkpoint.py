@@ -724,9 +724,10 @@ def load_checkpoint(
     if not os.path.exists(meta_path):
         if os.path.exists(d) and not os.path.isdir(d):
             raise GadgetFileNotFoundError(
-                f"no checkpoint in {d}: it is a file; expected the directory save_checkpoint wrote"
+                f"no checkpoint in {d}: it is a file; expected the directory save_checkpoint wrote",
+                meta_path,
             )
-        raise GadgetFileNotFoundError(f"no checkpoint in {d}: {_META} is missing")
+        raise GadgetFileNotFoundError(f"no checkpoint in {d}: {_META} is missing", meta_path)
     try:
         saved = torch.load(meta_path, map_location="cpu", weights_only=True)
         fmt = saved["format"]

@@ -59,6 +59,8 @@ def _torch_placement(deviceType: Any, pinType: bool, placement: str | None) -> s
 class ModelFactory(ModelSwitch):
     """SpeedTorch's model-variable switcher: ``CPUPinn=True`` keeps the table in pinned
     host RAM, ``False`` on the GPU. See :class:`ModelSwitch` for the methods.
+    ``datatype`` is the table's dtype (a torch / NumPy dtype or its name; SpeedTorch's
+    default ``'float32'``), ``ModelSwitch``'s ``dtype``.
 
     ``placement=`` (``'pinned'``, ``'cuda'``, ``'cpu'``) overrides ``CPUPinn``;
     ``duplicates=`` chooses how repeated ids are laid out.
@@ -98,7 +100,8 @@ class ModelFactory(ModelSwitch):
 class PytorchModelFactory(ModelSwitch):
     """SpeedTorch's torch-tensor model switcher: ``deviceType='cuda'`` keeps the table on
     the GPU, ``'cpu'`` in host RAM (``pinType=True``: pinned and read by the GPU in place).
-    Same methods as :class:`ModelFactory`."""
+    ``datatype`` is the table's dtype, as for :class:`ModelFactory`. Same methods as
+    :class:`ModelFactory`."""
 
     def __init__(
         self,

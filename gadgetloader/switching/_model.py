@@ -199,6 +199,7 @@ class ModelSwitch:
 
     @property
     def placement(self) -> str:
+        """Where the table's rows live (``'pinned'``, ``'cuda'``, ``'cpu'``, ...)."""
         return self.table.placement
 
     @property
@@ -228,7 +229,8 @@ class ModelSwitch:
 
     def customInit(self, initFunction: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Fill the table with any in-place torch initializer, e.g.
-        ``customInit(torch.nn.init.xavier_uniform_)``."""
+        ``customInit(torch.nn.init.xavier_uniform_)``: ``initFunction(tensor, *args,
+        **kwargs)`` on the table's rows (as :meth:`DataGadget.init_`)."""
         if not callable(initFunction):
             raise GadgetTypeError(
                 "customInit takes a function that fills a tensor in place (e.g. "
@@ -273,7 +275,9 @@ class ModelSwitch:
         return pos, neg
 
     def plan(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> RowPlan:
-        """The row plan for these ids (reused while the same id objects are unchanged)."""
+        """The row plan for these ids (reused while the same id objects are unchanged):
+        ``retrievedPosIndexes`` and the optional ``retrievedNegIndexes`` as for
+        :meth:`beforeForwardPass`."""
         cached = self._cache.get(retrievedPosIndexes, retrievedNegIndexes)
         if cached is not None:
             return cached
@@ -296,6 +300,10 @@ class ModelSwitch:
         self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Gather the rows of these ids into the model variable.
+
+        ``retrievedPosIndexes`` are this step's global row ids (any shape; an integer
+        tensor, array or list) and ``retrievedNegIndexes`` optional second ids (SpeedTorch's
+        negative samples), laid out after them; pass the same ids to every call of a step.
 
         Returns
         -------
@@ -385,7 +393,9 @@ class ModelSwitch:
         return self._capacity
 
     def afterOptimizerStep(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:
-        """Scatter the model variable's rows back into the table."""
+        """Scatter the model variable's rows back into the table: ``retrievedPosIndexes``
+        and ``retrievedNegIndexes`` are the ids given to this step's
+        :meth:`beforeForwardPass`."""
         self._in_step = False
         plan = self.plan(retrievedPosIndexes, retrievedNegIndexes)
         loaded = self._loaded
@@ -456,11 +466,13 @@ class ModelSwitch:
         return self.table.getNumpyVersion()
 
     def saveCupy(self, saveFileName: str | os.PathLike[str]) -> None:
-        """Save the full table as .npy (``.npy`` is appended to a name without it, as ``numpy.save`` does)."""
+        """Save the full table as .npy to ``saveFileName`` (``.npy`` is appended to a name
+        without it, as ``numpy.save`` does)."""
         self.table.saveCupy(saveFileName)
 
     def loadCupy(self, loadFileName: str | os.PathLike[str]) -> None:
-        """Load the full table from .npy (shape and dtype must match)."""
+        """Load the full table from the .npy file ``loadFileName`` (shape and dtype must
+        match)."""
         self._load_checked(loadFileName, format="npy")
 
     def save(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
@@ -488,7 +500,7 @@ class ModelSwitch:
         self.table.load(path, **kwargs)
 
     def saveTorch(self, saveFileName: str | os.PathLike[str]) -> None:
-        """Save the full table with ``torch.save`` (a CPU tensor).
+        """Save the full table with ``torch.save`` (a CPU tensor) to ``saveFileName``.
 
         Written beside the target and renamed over it, so a save that fails part-way
         leaves any previous file whole.
@@ -496,7 +508,7 @@ class ModelSwitch:
         save_torch_file(table_tensor(self.table), saveFileName)
 
     def loadTorch(self, loadFileName: str | os.PathLike[str]) -> None:
-        """Load a table saved with :meth:`saveTorch`. The shape must match; a tensor of
+        """Load a table saved with :meth:`saveTorch` from ``loadFileName``. The shape must match; a tensor of
         another floating dtype is taken where every value converts exactly (a float64 file
         of float32 values), any other dtype is refused. Nothing is written on refusal."""
         t = load_torch_file(loadFileName)

@@ -1211,7 +1211,8 @@ class OptimizerSwitch:
 
     def customInit(self, initFunction: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Fill every state table with an in-place torch initializer, e.g.
-        ``customInit(torch.nn.init.constant_, 0.1)`` for an Adagrad accumulator."""
+        ``customInit(torch.nn.init.constant_, 0.1)`` for an Adagrad accumulator:
+        ``initFunction(tensor, *args, **kwargs)`` on each table's rows."""
         if not callable(initFunction):
             raise GadgetTypeError(
                 "customInit takes a function that fills a tensor in place (e.g. "
@@ -1223,13 +1224,13 @@ class OptimizerSwitch:
         pager.tables_written()
 
     def saveTorch(self, saveFileName: str | os.PathLike[str]) -> None:
-        """Save the state tables with ``torch.save`` as ``{state name: CPU tensor}``,
+        """Save the state tables to ``saveFileName`` with ``torch.save`` as ``{state name: CPU tensor}``,
         atomically (a save that fails part-way leaves any previous file whole)."""
         tables = self._need_pager().tables
         save_torch_file({k: table_tensor(t) for k, t in tables.items()}, saveFileName)
 
     def loadTorch(self, loadFileName: str | os.PathLike[str]) -> None:
-        """Load state tables saved with :meth:`saveTorch`: a ``{state name: tensor}`` dict,
+        """Load state tables saved with :meth:`saveTorch` from ``loadFileName``: a ``{state name: tensor}`` dict,
         or (SpeedTorch's layout) a list of tensors in :attr:`tables` order. Names and shapes
         must match; a tensor of another floating dtype is taken where every value converts
         exactly, any other dtype is refused. Everything is checked before any table is
@@ -1322,7 +1323,9 @@ class OptimizerSwitch:
         return plan
 
     def beforeForwardPass(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:
-        """Gather these ids' state rows into the optimizer's state for the variable."""
+        """Gather these ids' state rows into the optimizer's state for the variable:
+        ``retrievedPosIndexes`` and ``retrievedNegIndexes`` as for
+        :meth:`ModelSwitch.beforeForwardPass` (the same ids as the model switcher's)."""
         from ._model import switch_for
 
         pager = self._need_pager()
@@ -1344,7 +1347,9 @@ class OptimizerSwitch:
 
     def afterOptimizerStep(self, retrievedPosIndexes: Any, retrievedNegIndexes: Any = None) -> None:
         """Scatter the updated state rows back into the tables (unless the model switcher's
-        ``afterOptimizerStep`` already wrote them with the rows, see ``optInit``)."""
+        ``afterOptimizerStep`` already wrote them with the rows, see ``optInit``);
+        ``retrievedPosIndexes`` and ``retrievedNegIndexes`` are the ids given to this step's
+        :meth:`beforeForwardPass`."""
         from ._model import switch_for
 
         pager = self._need_pager()

@@ -28,7 +28,9 @@ def save_torch_file(obj: Any, path: str | os.PathLike[str]) -> None:
         raise GadgetValueError(f"saveTorch needs a file path; {target} is a directory")
     folder = as_path(resolved_target(os.path.abspath(target)).parent)  # a link: its file's
     if not os.path.isdir(folder):
-        raise GadgetFileNotFoundError(f"directory {folder} does not exist (saving {target})")
+        raise GadgetFileNotFoundError(
+            f"directory {folder} does not exist (saving {target})", folder
+        )
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ReadOnlyError(f"cannot save {target}: the directory {folder} is not writable")
     tmp = temp_path_beside(target)
@@ -44,7 +46,7 @@ def load_torch_file(path: str | os.PathLike[str]) -> Any:
     """What ``torch.save`` wrote to ``path`` (tensors and containers only, on the CPU)."""
     p = as_path(path)
     if not os.path.exists(p):
-        raise GadgetFileNotFoundError(f"{p} does not exist")
+        raise GadgetFileNotFoundError(f"{p} does not exist", p)
     if not os.path.isfile(p):
         raise GadgetFileError(f"{p} is not a file (expected one written by saveTorch)")
     try:
