@@ -16,7 +16,7 @@ from itertools import islice
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from .._errors import GadgetClosedError, GadgetTypeError, GadgetValueError
 from .._fork import keep_in_forked_child
@@ -40,7 +40,8 @@ class GadgetLoader:
     Parameters
     ----------
     dataset : GadgetDataset, DataGadget, array or tensor
-        What to load (anything but a GadgetDataset becomes a one-column dataset).
+        What to load (anything but a GadgetDataset becomes a one-column dataset; another
+        torch ``Dataset``, such as a ``Subset``, is a ``GadgetTypeError``).
     sampler : GadgetSampler, optional
         The batch order. If omitted one is built from ``batch_size`` and the
         sampler options below (with ``coalesce=1``: the loader's own ``coalesce``
@@ -78,7 +79,9 @@ class GadgetLoader:
         seeds only the workers' random state, as in DataLoader; the batch order
         comes from ``seed=`` (or the given sampler) alone. ``in_order=False`` is a
         ``GadgetValueError`` (batches finished out of order could not be resumed from a
-        count). With ``persistent_workers=True`` the workers serve one pass at a time:
+        count). A ``generator`` that is not a ``torch.Generator`` and, with workers, a
+        ``prefetch_factor`` below 1 are refused here (torch would fail only once a pass
+        starts). With ``persistent_workers=True`` the workers serve one pass at a time:
         once a newer ``iter()`` has started, reading an older pass raises
         ``GadgetClosedError``.
 
@@ -126,6 +129,13 @@ class GadgetLoader:
         **dataloader_kwargs: Any,
     ) -> None:
         if not isinstance(dataset, GadgetDataset):
+            if isinstance(dataset, Dataset):  # a torch Dataset of its own (Subset, ...)
+                raise GadgetTypeError(
+                    "GadgetLoader takes a GadgetDataset, or one column to make one of (a "
+                    "DataGadget, a file path, an array or a tensor); got "
+                    f"{type(dataset).__name__} (for a subset of rows, pass their ids to "
+                    "GadgetDataset.gather or use DataLoader with that dataset)"
+                )
             dataset = GadgetDataset(dataset)
         self._dataset = dataset
         keep_in_forked_child(self)  # never destroyed in a forked worker (see gadgetloader._fork)
@@ -200,6 +210,17 @@ class GadgetLoader:
                 f"{dataloader_kwargs['in_order']!r} would hand them out as workers finish "
                 "(use DataLoader(ds, batch_sampler=sampler, in_order=False) directly if "
                 "resume does not matter)"
+            )
+        # what torch's DataLoader checks only when a pass starts (with an AssertionError or
+        # a TypeError from inside its iterator), refused here
+        factor = dataloader_kwargs.get("prefetch_factor")
+        if workers > 0 and factor is not None:
+            _check_int(factor, "prefetch_factor", minimum=1)
+        generator = dataloader_kwargs.get("generator")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise GadgetTypeError(
+                f"generator must be a torch.Generator (it seeds DataLoader's workers); got "
+                f"{type(generator).__name__}"
             )
         self._device = dataset.device
         named = ", ".join(map(repr, dataloader_kwargs))  # (for an error message below)

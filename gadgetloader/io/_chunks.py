@@ -84,6 +84,13 @@ def table_dtype(
                 f"{where}: marked bfloat16 but stored as {npd}; expected uint16 bits"
             )
         return torch.bfloat16
+    if npd.subdtype is not None and npd.fields is None:
+        base, inner = npd.subdtype
+        raise GadgetTypeError(
+            f"{where}: dtype {npd} is an array type (each element holds {inner} values of "
+            f"{base}); a table's elements are single numbers: store it as a plain {base} "
+            f"array with the inner shape as extra axes"
+        )
     if npd.hasobject or npd.kind in "OSUVMmT" or npd.fields is not None:
         raise GadgetTypeError(
             f"{where}: dtype {npd} (strings, objects, structured or variable-length types) "

@@ -1,0 +1,65 @@
+"""Session 34's library fixes beyond the review files: GadgetLoader refuses at
+construction what torch's DataLoader refuses only when a pass starts, and a torch
+Dataset of its own; an HDF5 / NumPy array-typed dtype is named as such."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Subset
+
+import gadgetloader as gl
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_cuda():
+    mp = pytest.MonkeyPatch()
+    mp.setattr(torch.cuda, "is_available", lambda: False)
+    yield
+    mp.undo()
+
+
+def _ds() -> gl.GadgetDataset:
+    return gl.GadgetDataset(np.arange(60, dtype=np.float32).reshape(20, 3), placement="cpu")
+
+
+@pytest.mark.parametrize(
+    ("factor", "error", "match"),
+    [
+        (0, gl.GadgetValueError, "prefetch_factor must be >= 1; got 0"),
+        (-1, gl.GadgetValueError, "prefetch_factor must be >= 1; got -1"),
+        (2.5, gl.GadgetTypeError, "prefetch_factor must be an int; got float"),
+    ],
+)
+def test_loader_refuses_a_bad_prefetch_factor_with_workers(factor, error, match):
+    with pytest.raises(error, match=match):
+        gl.GadgetLoader(_ds(), batch_size=4, num_workers=1, prefetch_factor=factor)
+
+
+def test_loader_refuses_a_generator_that_is_not_one():
+    with pytest.raises(gl.GadgetTypeError, match="torch.Generator.*got int"):
+        gl.GadgetLoader(_ds(), batch_size=4, generator=5)
+    # a real one is taken (and leaves the batch order to the sampler)
+    loader = gl.GadgetLoader(
+        _ds(), batch_size=4, order="sequential", generator=torch.Generator().manual_seed(1)
+    )
+    assert [b[0][0, 0].item() for b in loader] == [0.0, 12.0, 24.0, 36.0, 48.0]
+
+
+def test_loader_names_a_torch_dataset_it_cannot_take():
+    ds = _ds()
+    with pytest.raises(gl.GadgetTypeError, match="takes a GadgetDataset.*got Subset"):
+        gl.GadgetLoader(Subset(ds, [1, 2]), batch_size=4)
+    assert ds[[1]][0].tolist() == [[3.0, 4.0, 5.0]]  # the dataset is untouched
+
+
+def test_array_typed_hdf5_dataset_is_named_as_such(tmp_path):
+    h5py = pytest.importorskip("h5py")
+    path = tmp_path / "sub.h5"
+    with h5py.File(path, "w") as f:
+        # (an HDF5 array type: from data=, NumPy would fold the (3,) into the shape)
+        f.create_dataset("x", shape=(4,), dtype=np.dtype(("<f4", (3,))))
+    for placement in ("cpu", "file"):
+        with pytest.raises(gl.GadgetTypeError, match=r"array type.*\(3,\) values of float32"):
+            gl.DataGadget(str(path), placement=placement)
