@@ -63,3 +63,26 @@ def test_array_typed_hdf5_dataset_is_named_as_such(tmp_path):
     for placement in ("cpu", "file"):
         with pytest.raises(gl.GadgetTypeError, match=r"array type.*\(3,\) values of float32"):
             gl.DataGadget(str(path), placement=placement)
+
+
+def test_modules_beside_group_dicts_form_the_last_group():
+    # documented: the group of what no dict names comes after the dicts, in their order
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict(
+        {
+            "emb": gl.OffloadedEmbedding(10, 3, placement="cpu", device="cpu"),
+            "head": torch.nn.Linear(3, 1),
+            "bias": torch.nn.Linear(1, 1),
+        }
+    )
+    opt = gl.OffloadedOptimizer(
+        torch.optim.Adam,
+        [
+            model["emb"],
+            {"params": model["head"].parameters(), "lr": 0.01},
+            {"params": model["bias"].parameters(), "lr": 0.02},
+        ],
+        lr=0.05,
+    )
+    assert [g["lr"] for g in opt.param_groups] == [0.01, 0.02, 0.05]
+    assert len(opt.param_groups[2]["params"]) == 1  # the table's per-step parameter

@@ -1113,7 +1113,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         (``{"params": model.emb, "lr": 0.5}``): their tables then take that group's
         options. What a dict names is left out of the modules given beside it, so
         ``[model, {"params": model.head.parameters(), "lr": 0.01}]`` works; everything
-        not named by a dict shares one group with the keyword options. Two dicts naming
+        not named by a dict shares one group with the keyword options, which comes last in
+        ``param_groups`` (after the dicts, in their order, wherever the modules stood in
+        ``params``: mind it for a scheduler given one value per group). Two dicts naming
         the same parameter or table are refused (``GadgetValueError``), as torch
         refuses them.
     **kwargs
