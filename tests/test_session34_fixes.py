@@ -86,3 +86,37 @@ def test_modules_beside_group_dicts_form_the_last_group():
     )
     assert [g["lr"] for g in opt.param_groups] == [0.01, 0.02, 0.05]
     assert len(opt.param_groups[2]["params"]) == 1  # the table's per-step parameter
+
+
+def test_ctrl_c_while_meta_takes_its_place_removes_the_old_tables_first(tmp_path, monkeypatch):
+    import os
+    import signal
+    import threading
+
+    from gadgetloader.switching import _checkpoint
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("Ctrl-C is held only in the main thread")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("a SIGINT handler of the test runner's own is installed")
+    emb = gl.OffloadedEmbedding(12, 3, placement="cpu", device="cpu")
+    emb.weight.fill_(1.0)
+    ck = str(tmp_path / "ck")
+    gl.save_checkpoint(ck, {"emb": emb})
+    old = sorted(os.listdir(ck))
+    emb.weight.fill_(2.0)
+    real = _checkpoint.replace_atomically
+
+    def replace_then_interrupt(tmp, target):
+        real(tmp, target)
+        if os.path.basename(str(target)) == "meta.pt":
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C just after the commit
+
+    monkeypatch.setattr(_checkpoint, "replace_atomically", replace_then_interrupt)
+    with pytest.raises(KeyboardInterrupt, match="checkpoint in .* was written"):
+        gl.save_checkpoint(ck, {"emb": emb})
+    new = sorted(os.listdir(ck))
+    assert len(new) == len(old) and not (set(new) - {"meta.pt"}) & set(old)  # old gone
+    fresh = gl.OffloadedEmbedding(12, 3, placement="cpu", device="cpu")
+    gl.load_checkpoint(ck, {"emb": fresh})
+    assert fresh.weight.getNumpyVersion().tolist() == [[2.0] * 3] * 12

@@ -40,7 +40,7 @@ from .._errors import (
 )
 from .._paths import as_path
 from ..gadget import DataGadget
-from ..io._atomic import replace_atomically
+from ..io._atomic import interrupts_deferred, replace_atomically
 from ..io._chunks import save_errors
 from ..io._stream import STAGING_BYTES, blocks
 from . import _embedding
@@ -253,6 +253,8 @@ def save_checkpoint(
     and only then are the previous checkpoint's table files removed. A save that dies
     part-way therefore leaves the previous checkpoint in ``directory`` loadable, whole;
     one that raises (a full disk, an interrupt) also removes the files it had written.
+    A Ctrl-C that comes while ``meta.pt`` takes its place is held until the previous
+    tables are removed, then raised (``KeyboardInterrupt``: the checkpoint was written).
 
     Raises
     ------
@@ -340,7 +342,13 @@ def save_checkpoint(
             torch.save({"version": _VERSION, "format": format, "objects": entries}, tmp)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())  # complete on disk before it names the new files
-        replace_atomically(tmp, meta_path)
+        # a Ctrl-C from here on is held: once meta.pt names the new files, the previous
+        # checkpoint's are removed before it is raised (saying the checkpoint was written)
+        with interrupts_deferred() as held:
+            held()  # the last point where the save stops
+            replace_atomically(tmp, meta_path)
+            held.committed = True
+            _remove_stale(d, parts, entries, previous)
     except BaseException:
         # this save's files are a full copy of the tables (and a full disk the likeliest
         # cause): remove them, so the previous checkpoint is all that is left, as it was
@@ -360,8 +368,15 @@ def save_checkpoint(
                 for stray in glob.glob(pattern):  # a temporary a failed write left
                     _remove(stray)
         raise
+    held.deliver(f"the checkpoint in {d}")
+
+
+def _remove_stale(
+    d: str, parts: dict[str, Any], entries: dict[str, Any], previous: set[str]
+) -> None:
+    """After a checkpoint's meta.pt took its place: remove the previous checkpoint's
+    tables, and those of saves that died part-way, which nothing names any more."""
     current = {f for e in entries.values() for f in e["tables"].values()}
-    # the previous checkpoint's tables, and those of saves that died part-way, now unused
     prefixes = [
         re.escape(f"{name}.{tname}.") for name, (_, tables, _) in parts.items() for tname in tables
     ]
