@@ -71,10 +71,17 @@ def as_torch_dtype(dtype: Any) -> torch.dtype:
         result = dtype
     elif isinstance(dtype, str) and dtype.removeprefix("torch.") in _BY_NAME:
         result = _BY_NAME[dtype.removeprefix("torch.")]
+    elif not isinstance(dtype, (type, np.dtype)) and hasattr(
+        dtype, "shape"
+    ):  # tensor, array, table
+        raise GadgetTypeError(
+            f"dtype must be a dtype or its name (e.g. 'float32' or torch.float32); got a "
+            f"{type(dtype).__name__} -- pass its .dtype for the dtype of that data"
+        )
     else:
         try:
             npd = np.dtype(dtype)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise GadgetTypeError(
                 f"unknown dtype {dtype!r}; expected one of {sorted(_BY_NAME)}"
             ) from exc

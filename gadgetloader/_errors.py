@@ -9,7 +9,9 @@ plain Python or NumPy keeps working.
 from __future__ import annotations
 
 import errno
+import math
 import os
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -106,6 +108,26 @@ def as_flag(value: object, name: str, *, allow_none: bool = False) -> bool | Non
     raise GadgetTypeError(f"{name} must be True or False; got {type(value).__name__} {value!r:.40}")
 
 
+def as_choice(
+    value: object,
+    name: str,
+    choices: Iterable[str],
+    *,
+    error: type[GadgetError] | None = None,
+) -> str:
+    """``value`` as one of the names ``choices``: anything but a string (a list, an array,
+    ``None``, ``False``) is a ``GadgetTypeError``; an unknown name raises ``error``
+    (``GadgetKeyError`` unless given), both naming the choices."""
+    options = list(choices)
+    if not isinstance(value, str):
+        raise GadgetTypeError(
+            f"{name} must be a string, one of {options}; got {type(value).__name__} {value!r:.40}"
+        )
+    if value not in options:
+        raise (error or GadgetKeyError)(f"Unknown {name} {value!r}; expected one of {options}")
+    return value
+
+
 def table_mismatch(same_shape: bool, message: str) -> GadgetError:
     """The error for a file or tensor that does not fit a table: a ``GadgetTypeError`` when
     only the dtype differs, a ``GadgetValueError`` when the shape does."""
@@ -119,6 +141,8 @@ def as_count(value: object, name: str, *, minimum: int = 1) -> int:
 
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise GadgetTypeError(f"{name} must be an integer; got {value!r}")
+    if not math.isfinite(value):  # (int() of nan / inf raises ValueError / OverflowError)
+        raise GadgetValueError(f"{name} must be a whole number; got {value!r}")
     whole = int(value)  # type: ignore[call-overload]
     if whole != value:
         raise GadgetValueError(f"{name} must be a whole number; got {value!r}")

@@ -466,7 +466,7 @@ class DataGadget:
             if any(s < 0 for s in shp):
                 raise GadgetValueError(f"shape must be non-negative; got {shp}")
             self._store: Store = empty_store(
-                requested, shp, as_torch_dtype(dtype or "float32"), cuda_dev
+                requested, shp, as_torch_dtype(dtype if dtype is not None else "float32"), cuda_dev
             )
         elif isinstance(fileName, tuple):
             raise GadgetTypeError(

@@ -23,8 +23,8 @@ from torch.utils.data import Dataset
 from torch.utils.data import get_worker_info as _worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-from .._device import cuda_available, cupy_available, resolve_device
-from .._errors import GadgetIndexError, GadgetTypeError, GadgetValueError
+from .._device import PLACEMENTS, cuda_available, cupy_available, resolve_device
+from .._errors import GadgetIndexError, GadgetTypeError, GadgetValueError, as_choice
 from .._fork import keep_in_forked_child
 from .._ids import as_ids, check_range
 from .._paths import as_path
@@ -245,12 +245,16 @@ class GadgetDataset(Dataset[Any]):
     ) -> DataGadget:
         if isinstance(col, DataGadget):
             return col
-        if isinstance(placement, str):
-            placement = placement.lower()  # placement names are case-insensitive
+        if placement is not None:  # (a list or array must not reach a truth test)
+            placement = as_choice(
+                placement.lower() if isinstance(placement, str) else placement,
+                "placement",
+                PLACEMENTS,
+            )
         if isinstance(col, bytes):  # a file name as bytes: refused as every path taker does
             as_path(col, f"a file path in column {i}")
         if isinstance(col, (str, os.PathLike)):
-            where = placement or _auto_placement(col, self._device)
+            where = placement if placement is not None else _auto_placement(col, self._device)
             g = DataGadget(col, placement=where, device=self._device, **options)
         elif isinstance(col, (torch.Tensor, np.ndarray)) or hasattr(
             col, "__cuda_array_interface__"

@@ -10,6 +10,8 @@ do, less its per-batch bookkeeping.
 
 from __future__ import annotations
 
+import numbers
+import sys
 from collections import deque
 from collections.abc import Iterator, Mapping
 from itertools import islice
@@ -216,6 +218,17 @@ class GadgetLoader:
         factor = dataloader_kwargs.get("prefetch_factor")
         if workers > 0 and factor is not None:
             _check_int(factor, "prefetch_factor", minimum=1)
+        timeout = dataloader_kwargs.get("timeout", 0)
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+            raise GadgetTypeError(
+                "timeout must be a number of seconds (a float or int, not "
+                f"{type(timeout).__name__} {timeout!r:.40})"
+            )
+        if not timeout >= 0:  # (nan too)
+            raise GadgetValueError(
+                "timeout must be a number of seconds >= 0 (0: wait for a worker's batch "
+                f"forever); got {type(timeout).__name__} {timeout!r:.40}"
+            )
         generator = dataloader_kwargs.get("generator")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise GadgetTypeError(
@@ -384,7 +397,8 @@ class GadgetLoader:
         """``coalesce`` batches at a time: one gather per column for the group (on the side
         stream with prefetch), handed out as views; one event and one ``record_stream``
         per group, not per batch."""
-        dataset, k, device = self._dataset, self._coalesce, self._device
+        # (islice takes at most sys.maxsize: a larger coalesce means the whole epoch)
+        dataset, k, device = self._dataset, min(self._coalesce, sys.maxsize), self._device
         side = None
         consumers = _Consumers(device)
         if device.type == "cuda" and self._prefetch > 0:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler, get_worker_info
 
-from .._errors import GadgetKeyError, GadgetTypeError, GadgetValueError
+from .._errors import GadgetTypeError, GadgetValueError, as_choice
 from .._fork import keep_in_forked_child
 
 __all__ = ["ORDERS", "GadgetSampler"]
@@ -466,10 +466,11 @@ class GadgetSampler(Sampler[Any]):
             raise GadgetValueError(f"a row count must be positive; got {n} rows")
         if n == 0:
             raise GadgetValueError("cannot sample from an empty dataset: it has 0 rows")
+        if n >= 1 << 63:  # (no table is longer; len() could not even report it)
+            raise GadgetValueError(f"a row count must be below 2**63; got {n} rows")
         self._num_rows = int(n)
         self._batch_size = _check_int(batch_size, "batch_size", minimum=1)
-        if order not in ORDERS:
-            raise GadgetKeyError(f"Unknown order {order!r}; expected one of {list(ORDERS)}")
+        as_choice(order, "order", ORDERS)
         self._order = order
         for name, flag in (("drop_last", drop_last), ("pad", pad)):
             if not isinstance(flag, (bool, np.bool_)):

@@ -78,7 +78,9 @@ def replace_atomically(tmp: str | os.PathLike[str], target: str | os.PathLike[st
     """Move ``tmp`` onto ``target``. A file is replaced in one ``rename``; a directory
     (zarr) is renamed aside first (to ``.NAME.old-PID-XXXXXXXX``), so at every instant
     either the old or the new one is complete at ``target``'s path or at the aside path;
-    if the new one cannot take the path, the old one is moved back. The new file keeps the old
+    if the new one cannot take the path, the old one is moved back. The old store is then
+    renamed to ``.NAME.trash-PID-XXXXXXXX`` and removed (a kill during that removal leaves
+    that half-deleted entry, never a partial ``.old-`` one). The new file keeps the old
     one's permission bits (and owner, where allowed); a symbolic link stays a link and
     the file it names is replaced. Other hard links to the old file keep the old data."""
     tmp_p, target_p = Path(tmp), resolved_target(target)
@@ -109,7 +111,14 @@ def _replace(tmp_p: Path, target_p: Path) -> None:
             with contextlib.suppress(OSError):
                 os.replace(aside, target_p)
             raise
-        remove_path(aside)
+        # renamed once more before the removal, so that a ``.old-`` entry is always a
+        # complete store: a kill during the removal leaves a ``.trash-`` entry, safe to delete
+        trash = temp_path_beside(target_p, tag="trash")
+        try:
+            os.replace(aside, trash)
+        except OSError:
+            trash = aside
+        remove_path(trash)
     else:
         os.replace(tmp_p, target_p)
 

@@ -14,9 +14,9 @@ from .._errors import (
     GadgetError,
     GadgetFileError,
     GadgetFileNotFoundError,
-    GadgetKeyError,
     GadgetTypeError,
     GadgetValueError,
+    as_choice,
 )
 from .._paths import as_path
 from ._base import ArraySink, ArraySource
@@ -83,9 +83,7 @@ def guess_format(path: str | os.PathLike[str], *, must_exist: bool = True) -> st
 
 
 def _check_format(fmt: str) -> str:
-    if fmt not in _REGISTRY:
-        raise GadgetKeyError(f"Unknown format {fmt!r}; expected one of {sorted(_REGISTRY)}")
-    return fmt
+    return as_choice(fmt, "format", sorted(_REGISTRY))
 
 
 def _check_dataset(dataset: Any) -> None:
@@ -113,7 +111,7 @@ def open_source(
     depend on the process's working directory at that time."""
     path = os.path.abspath(as_path(path))
     try:
-        fmt = _check_format(format) if format else guess_format(path)
+        fmt = _check_format(format) if format is not None else guess_format(path)
         if not os.path.exists(path):
             raise GadgetFileNotFoundError(f"no such file or directory: {path}", path)
         _check_dataset(dataset)
@@ -154,7 +152,9 @@ def open_sink(
 
 def sink_format(path: str | os.PathLike[str], format: str | None = None) -> str:
     """The format a save to ``path`` writes: ``format=``, else by extension."""
-    return _check_format(format) if format else guess_format(Path(path), must_exist=False)
+    return (
+        _check_format(format) if format is not None else guess_format(Path(path), must_exist=False)
+    )
 
 
 def sink_takes(fmt: str, option: str) -> bool:

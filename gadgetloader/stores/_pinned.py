@@ -38,7 +38,7 @@ import torch
 
 from .._device import get_cupy
 from .._dtypes import numpy_dtype
-from .._errors import GadgetValueError
+from .._errors import GadgetValueError, as_choice
 from ._base import Store
 
 __all__ = ["PinnedStore", "HostBuffer"]
@@ -73,8 +73,7 @@ PAGE_KINDS = ("default", "thp", "hugetlb", "cudahost")
 
 
 def _map_anonymous(nbytes: int, pages: str) -> mmap.mmap:
-    if pages not in PAGE_KINDS:
-        raise GadgetValueError(f"Unknown pages {pages!r}; expected one of {list(PAGE_KINDS)}")
+    as_choice(pages, "pages", PAGE_KINDS, error=GadgetValueError)
     if pages == "hugetlb":
         huge = 2 << 20
         size = -(-nbytes // huge) * huge

@@ -35,6 +35,7 @@ from .._errors import (
     GadgetKeyError,
     GadgetTypeError,
     GadgetValueError,
+    as_choice,
     as_flag,
     table_mismatch,
 )
@@ -69,9 +70,7 @@ class ObjectKindError(GadgetTypeError, GadgetValueError):
 
 def _extension(fmt: str) -> str:
     formats = _io.FORMATS
-    if fmt not in formats:
-        raise GadgetKeyError(f"Unknown format {fmt!r}; expected one of {sorted(formats)}")
-    return formats[fmt][2][0]
+    return formats[as_choice(fmt, "format", sorted(formats))][2][0]
 
 
 def _check_objects(objects: Any, what: str) -> None:

@@ -25,8 +25,8 @@ from torch import nn
 
 from .._device import cuda_available, cupy_available, resolve_device, user_stacklevel
 from .._dtypes import as_torch_dtype, dtype_name
-from .._errors import GadgetTypeError, GadgetValueError, as_count, as_flag
-from .._ids import as_ids, range_check_of
+from .._errors import GadgetError, GadgetTypeError, GadgetValueError, as_choice, as_count, as_flag
+from .._ids import _to_tensor, as_ids, range_check_of
 from ..gadget import DataGadget, as_tensor_data
 from ..stores._base import FusedRows
 from ..stores._base import gather_many as gather_stores
@@ -761,8 +761,7 @@ class OffloadedEmbeddingBag(_OffloadedTable):
         device: Any = None,
         init: Callable[..., Any] | None = None,
     ) -> None:
-        if mode not in _BAG_MODES:
-            raise GadgetValueError(f"Unknown mode {mode!r}; expected one of {list(_BAG_MODES)}")
+        as_choice(mode, "mode", _BAG_MODES, error=GadgetValueError)
         as_flag(include_last_offset, "include_last_offset")  # before the table is allocated
         super().__init__(
             num_embeddings, embedding_dim, placement, dtype=dtype, device=device, init=init
@@ -776,7 +775,9 @@ class OffloadedEmbeddingBag(_OffloadedTable):
     def _check_bag_args(
         self, input: Any, offsets: Any, per_sample_weights: Any
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        shape = tuple(input.shape) if hasattr(input, "shape") else tuple(np.shape(input))
+        if not hasattr(input, "shape"):  # a list, range, int: checked as every id input is
+            input = _to_tensor(input)  # (a GadgetTypeError for a string, None, a ragged list)
+        shape = tuple(input.shape)
         n = math.prod(shape)
         if len(shape) == 2:
             if offsets is not None:
@@ -789,7 +790,19 @@ class OffloadedEmbeddingBag(_OffloadedTable):
                 raise GadgetValueError(
                     "a 1-D input needs offsets (or pass a 2-D input: one bag per row)"
                 )
-            offsets = _on_cpu_or_cuda(torch.as_tensor(offsets), "offsets")
+            if isinstance(offsets, (str, bytes)):  # (torch.as_tensor: a raw TypeError)
+                raise GadgetTypeError(
+                    f"offsets must be a 1-D int64 (or int32) tensor of bag starts; got "
+                    f"{type(offsets).__name__} {offsets!r:.40}"
+                )
+            try:
+                offsets = torch.as_tensor(offsets)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise GadgetTypeError(
+                    "offsets must be a 1-D int64 (or int32) tensor of bag starts; got "
+                    f"{type(offsets).__name__} ({exc})"
+                ) from exc
+            offsets = _on_cpu_or_cuda(offsets, "offsets")
             if offsets.dtype in (torch.int32, torch.int64) and offsets.dim() != 1:
                 raise GadgetValueError(  # a shape: ValueError, as torch's EmbeddingBag
                     "offsets must be a 1-D int64 (or int32) tensor of bag starts; got "
@@ -1013,7 +1026,12 @@ def _collect(
     Parameters a group names are left out of the modules given beside it, so
     ``[model, {"params": model.head.parameters(), "lr": 0.01}]`` works.
     """
-    if isinstance(params, (nn.Module, torch.Tensor, dict)):
+    if isinstance(params, torch.Tensor):  # (as torch's optimizers refuse one)
+        raise GadgetTypeError(
+            "params must be a module, or an iterable of modules, parameters or param-group "
+            f"dicts; got a single {type(params).__name__}: pass [tensor]"
+        )
+    if isinstance(params, (nn.Module, dict)):
         params = [params]
     _refuse_unordered(params, "params")
     try:
@@ -1201,7 +1219,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         ]
         if plain or rest_tables or not groups:
             groups.append({"params": plain + [m._slot.param for m in rest_tables]})
-        self.inner = optimizer_class(groups, **kwargs)
+        try:
+            self.inner = optimizer_class(groups, **kwargs)
+        except (TypeError, ValueError) as exc:  # torch's own checks of lr=, betas=, ...
+            if isinstance(exc, GadgetError):
+                raise
+            error = GadgetTypeError if isinstance(exc, TypeError) else GadgetValueError
+            raise error(
+                f"{optimizer_class.__name__} refused the options {sorted(kwargs)}: {exc}"
+            ) from exc
         super().__init__([dict(g) for g in groups], dict(self.inner.defaults))
         self._share_groups()
         self.state = self.inner.state
@@ -1340,6 +1366,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         enabled, and its loss is returned."""
         loss = None
         if closure is not None:
+            if not callable(closure):
+                raise GadgetTypeError(
+                    "closure must be a callable that re-evaluates the model and returns the "
+                    f"loss, or None; got {type(closure).__name__} {closure!r:.40}"
+                )
             with torch.enable_grad():
                 loss = closure()
         self.prepare_grads()

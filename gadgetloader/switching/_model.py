@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import io as _io
 from .._device import cuda_available
 from .._dtypes import as_torch_dtype, dtype_name
-from .._errors import GadgetTypeError, GadgetValueError, as_count, table_mismatch
+from .._errors import GadgetTypeError, GadgetValueError, as_choice, as_count, table_mismatch
 from .._ids import as_ids
 from .._paths import as_path
 from ..gadget import DataGadget
@@ -134,10 +134,8 @@ class ModelSwitch:
                 f"embed_dimension={embed_dimension} but the model variable's rows have shape "
                 f"{row_shape} (variable shape {tuple(self.param.shape)})"
             )
-        if duplicates is not None and duplicates not in DUPLICATE_MODES:
-            raise GadgetValueError(
-                f"Unknown duplicates mode {duplicates!r}; expected one of {list(DUPLICATE_MODES)}"
-            )
+        if duplicates is not None:
+            as_choice(duplicates, "duplicates mode", DUPLICATE_MODES, error=GadgetValueError)
         td = as_torch_dtype(dtype)
         if not td.is_floating_point:
             raise GadgetTypeError(

@@ -1121,6 +1121,11 @@ def resolve_named_parameter(model: torch.nn.Module, variable_name: str) -> torch
     """
     if not isinstance(model, torch.nn.Module):
         raise GadgetTypeError(f"model must be an nn.Module; got {type(model).__name__}")
+    if not isinstance(variable_name, str):
+        raise GadgetTypeError(
+            "variable_name must be a string (the attribute name of the embedding module); "
+            f"got {type(variable_name).__name__} {variable_name!r:.40}"
+        )
     params = dict(model.named_parameters())
     for name in (f"{variable_name}.weight", variable_name):
         if name in params:
@@ -1176,13 +1181,13 @@ class OptimizerSwitch:
         self.optimizer = given_optimizer
         self.param = resolve_named_parameter(model, variable_name)
         _group_of(given_optimizer, self.param)
+        self.total_classes = as_count(total_classes, "total_classes")
+        self.embed_dimension = as_count(embed_dimension, "embed_dimension")
         row_shape = tuple(self.param.shape[1:])
-        if row_shape != (int(embed_dimension),):
+        if row_shape != (self.embed_dimension,):
             raise GadgetValueError(
                 f"embed_dimension={embed_dimension} but {variable_name!r} has rows of shape {row_shape}"
             )
-        self.total_classes = as_count(total_classes, "total_classes")
-        self.embed_dimension = as_count(embed_dimension, "embed_dimension")
         self.variable_name = variable_name
         self._dtype = as_torch_dtype(dtype) if dtype is not None else None
         if self._dtype is not None and not self._dtype.is_floating_point:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .._device import cupy_available, pinned_empty
-from .._errors import GadgetIndexError, GadgetKeyError, GadgetTypeError, GadgetValueError
+from .._errors import GadgetIndexError, GadgetTypeError, GadgetValueError, as_choice
 from .._ids import _upload, check_range, flag_word, read_flag
 from . import _kernels
 
@@ -119,14 +119,8 @@ def resolve_strategy(
     ``auto`` scatters with ``kernel``. Without CuPy, and for a table that is not on a CUDA
     device (a CPU tensor, which the GPU cannot address), every strategy becomes ``torch``.
     """
-    if not isinstance(strategy, str):
-        raise GadgetTypeError(
-            f"strategy must be a name, one of {list(STRATEGIES)}; got {type(strategy).__name__}"
-        )
-    if strategy not in STRATEGIES:
-        raise GadgetKeyError(f"Unknown strategy {strategy!r}; expected one of {list(STRATEGIES)}")
-    if kind not in ("gather", "scatter"):
-        raise GadgetKeyError(f"Unknown kind {kind!r}; expected 'gather' or 'scatter'")
+    as_choice(strategy, "strategy", STRATEGIES)
+    as_choice(kind, "kind", ("gather", "scatter"))
     if strategy != "torch" and (not cupy_available() or not _gpu_addressable(table)):
         # the row kernels read and write through CUDA addresses: a table the GPU cannot
         # address (a CPU tensor) moves with torch's indexing whatever was asked
