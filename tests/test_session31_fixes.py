@@ -346,7 +346,7 @@ def test_engine_gather_returns_the_given_out_and_checks_its_names() -> None:
     got = tr.gather(t, torch.tensor([[1, 2], [3, 4]]), out=flat)
     assert got.shape == (2, 2, 4) and got.data_ptr() == flat.data_ptr()
     torch.testing.assert_close(flat, t[1:5], rtol=0, atol=0)
-    with pytest.raises(gl.GadgetTypeError, match="strategy must be a name.*NoneType"):
+    with pytest.raises(gl.GadgetTypeError, match="strategy must be a string.*NoneType"):
         tr.resolve_strategy(None, t, 3)
     with pytest.raises(gl.GadgetKeyError, match="Unknown kind 'bogus'"):
         tr.resolve_strategy("auto", t, 3, kind="bogus")
