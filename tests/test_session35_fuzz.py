@@ -291,3 +291,27 @@ def test_zarr_save_removes_the_old_store_under_a_trash_name(tmp_path, monkeypatc
     # the half-deleted entry is the old store (here intact), beside the new one
     old = DataGadget(str(tmp_path / removed[0]), placement="cpu", device="cpu", format="zarr")
     np.testing.assert_array_equal(old.getData(range(6)).numpy(), np.zeros((6, 3), np.float32))
+
+
+def test_checkpoint_meta_temporary_is_hidden(tmp_path, monkeypatch):
+    emb = OffloadedEmbedding(5, 3, placement="cpu", device="cpu")
+    written = []
+    real = torch.save
+
+    def save(obj, f, *a, **k):  # a kill just after the temporary was written
+        real(obj, f, *a, **k)
+        if isinstance(f, (str, os.PathLike)):
+            written.append(os.path.basename(f))
+            raise SystemExit("killed")
+
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(SystemExit):
+        gl.save_checkpoint(tmp_path / "ck", {"m": emb}, format="npy")
+    assert written == [".meta.pt.tmp"]
+    monkeypatch.setattr(torch, "save", real)
+    gl.save_checkpoint(tmp_path / "ck", {"m": emb}, format="npy")
+    names = os.listdir(tmp_path / "ck")
+    assert "meta.pt" in names and not [n for n in names if n.endswith(".tmp")], names
+    fresh = OffloadedEmbedding(5, 3, placement="cpu", device="cpu")
+    gl.load_checkpoint(tmp_path / "ck", {"m": fresh})
+    torch.testing.assert_close(fresh.weight.getData(range(5)), emb.weight.getData(range(5)))

@@ -324,7 +324,9 @@ def save_checkpoint(
         ) from exc
     previous = _listed_files(d)
     entries: dict[str, Any] = {}
-    tmp = os.path.join(d, _META + ".tmp")
+    tmp = os.path.join(
+        d, "." + _META + ".tmp"
+    )  # hidden; a killed save leaves it, the next overwrites it
     written: list[str] = []
     try:
         for name, (kind, tables, _) in parts.items():
