@@ -224,7 +224,7 @@ class GadgetLoader:
                 "timeout must be a number of seconds (a float or int, not "
                 f"{type(timeout).__name__} {timeout!r:.40})"
             )
-        if not timeout >= 0:  # (nan too)
+        if not float(timeout) >= 0:  # (nan too)
             raise GadgetValueError(
                 "timeout must be a number of seconds >= 0 (0: wait for a worker's batch "
                 f"forever); got {type(timeout).__name__} {timeout!r:.40}"
