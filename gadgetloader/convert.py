@@ -115,7 +115,7 @@ def convert(
                 f"{src_p} holds a table with zero rows {tuple(source.shape)}; nothing to "
                 "convert (gadgetloader cannot load a zero-row table)"
             )
-        out_fmt = dst_format or _io.guess_format(dst_p, must_exist=False)
+        out_fmt = _io.sink_format(dst_p, dst_format)
         options: dict[str, Any] = {}
         if out_fmt == "npy" and dst_dataset is not None:
             raise GadgetValueError(

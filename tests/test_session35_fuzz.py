@@ -315,3 +315,16 @@ def test_checkpoint_meta_temporary_is_hidden(tmp_path, monkeypatch):
     fresh = OffloadedEmbedding(5, 3, placement="cpu", device="cpu")
     gl.load_checkpoint(tmp_path / "ck", {"m": fresh})
     torch.testing.assert_close(fresh.weight.getData(range(5)), emb.weight.getData(range(5)))
+
+
+@pytest.mark.parametrize("key", ["src_format", "dst_format"])
+@pytest.mark.parametrize("bad", [False, ["npy"], 0], ids=_ids)
+def test_convert_format_must_be_a_string(tmp_path, key, bad):
+    from gadgetloader.convert import convert
+
+    np.save(tmp_path / "a.npy", np.ones((3, 2), np.float32))
+    with pytest.raises(GadgetTypeError, match="format must be a string"):
+        convert(str(tmp_path / "a.npy"), str(tmp_path / "b.npy"), **{key: bad})
+    assert os.listdir(tmp_path) == ["a.npy"]
+    convert(str(tmp_path / "a.npy"), str(tmp_path / "b.npy"), **{key: "npy"})
+    np.testing.assert_array_equal(np.load(tmp_path / "b.npy"), np.ones((3, 2), np.float32))
