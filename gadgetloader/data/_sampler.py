@@ -724,7 +724,8 @@ class GadgetSampler(Sampler[Any]):
         if epoch < _EPOCH_END:  # (the pass after the last epoch refuses at its first next())
             self._epoch, self._resume = epoch, start
             self._passes = getattr(self, "_passes", 0) + 1
-        return self._batches()
+        self._iters = getattr(self, "_iters", 0) + 1
+        return self._batches(self._iters, epoch, start)
 
     def _next_start(self) -> tuple[int, int]:
         """(epoch, position) where the next pass will start: a loaded position, else the
@@ -749,15 +750,25 @@ class GadgetSampler(Sampler[Any]):
                 "order); call set_epoch() with a smaller epoch to go on"
             )
 
-    def _batches(self) -> Iterator[torch.Tensor]:
-        epoch, start = self._next_start()
-        self._check_next(epoch)
-        self._resume = None
-        self._epoch, self._position = epoch, start
-        self._passes = getattr(self, "_passes", 0) + 1
-        mine = self._owner()  # an older pass still being read no longer moves the state
+    def _batches(self, token: int, epoch: int, start: int) -> Iterator[torch.Tensor]:
+        """The pass made by the ``iter()`` numbered ``token``, which computed ``epoch`` and
+        ``start``. If it is still the latest ``iter()`` at its first ``next()``, it takes the
+        state over from where the state then stands (a position loaded since included);
+        else a newer pass took over before this one drew a batch, and this one yields the
+        batches it was made for without moving the state."""
+        mine: tuple[int, int] | None = None
+        if token == getattr(self, "_iters", 0):
+            epoch, start = self._next_start()
+            self._check_next(epoch)
+            self._resume = None
+            self._epoch, self._position = epoch, start
+            self._passes = getattr(self, "_passes", 0) + 1
+            mine = self._owner()  # an older pass still being read no longer moves the state
+        else:
+            self._check_next(epoch)
         if start >= self._num_batches:  # resumed after the epoch's last batch: nothing left
-            self._advance(epoch)
+            if mine is not None:
+                self._advance(epoch)
             return
         fut = self._order_future(epoch, background=False)
         order = fut.result() if fut is not None else None
