@@ -136,3 +136,14 @@ def as_torch_dtype(dtype: Any) -> torch.dtype:
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     """The NumPy dtype holding the same bytes as ``dtype`` (``uint16`` for bfloat16)."""
     return _NUMPY_OF[dtype]
+
+
+def c_order(a: np.ndarray) -> np.ndarray:
+    """``a`` as a C-ordered array that ``torch.from_numpy`` takes (a view where it already
+    is one). NumPy calls a view contiguous whatever the strides of its length-1 axes
+    (``np.array([2])[::-1]`` has stride -8), which ``np.require(a, requirements="C")``
+    keeps and torch refuses with a raw ``ValueError``: such an array is copied."""
+    a = np.require(a, requirements="C")
+    if any(s < 0 for s in a.strides):
+        a = a.copy(order="C")
+    return a

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ._device import pinned_empty
+from ._dtypes import c_order
 from ._errors import GadgetIndexError, GadgetTypeError, GadgetValueError
 
 __all__ = [
@@ -97,7 +98,7 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
             indexes = indexes.astype(indexes.dtype.newbyteorder("="))
         if not indexes.flags.writeable:  # torch cannot view read-only memory (np.load mmap ids)
             indexes = indexes.copy()
-        return torch.from_numpy(np.require(indexes, requirements="C"))  # keeps 0-d arrays 0-d
+        return torch.from_numpy(c_order(indexes))  # keeps 0-d arrays 0-d
     if hasattr(indexes, "__cuda_array_interface__") or type(indexes).__module__.startswith("cupy"):
         # CuPy (or any CUDA array): no copy through DLPack
         try:

@@ -18,7 +18,7 @@ import torch
 
 from . import io as _io
 from ._device import cupy_available, resolve_device
-from ._dtypes import as_torch_dtype, dtype_name, numpy_dtype
+from ._dtypes import as_torch_dtype, c_order, dtype_name, numpy_dtype
 from ._errors import (
     GadgetError,
     GadgetIndexError,
@@ -76,15 +76,13 @@ def as_tensor_data(data: Any, what: str = "data") -> torch.Tensor:
         if not data.flags.writeable:
             data = data.copy()
         if data.dtype.name == "bfloat16" and data.dtype.itemsize == 2:  # ml_dtypes.bfloat16
-            return torch.from_numpy(np.require(data, requirements="C").view(np.int16)).view(
-                torch.bfloat16
-            )
+            return torch.from_numpy(c_order(data).view(np.int16)).view(torch.bfloat16)
         if data.dtype.hasobject or data.dtype.kind in "OSUVMmc":
             raise GadgetTypeError(
                 f"{what} has dtype {data.dtype}, which is not supported for a table; expected a numeric or bool dtype"
             )
         as_torch_dtype(data.dtype)  # raises for unsupported dtypes
-        return torch.from_numpy(np.require(data, requirements="C"))
+        return torch.from_numpy(c_order(data))
     if hasattr(data, "__cuda_array_interface__") or hasattr(data, "__dlpack__"):
         return torch.from_dlpack(data)
     raise GadgetTypeError(
