@@ -88,11 +88,20 @@ def _write_json(path: str | None, data: Any, command: str) -> int:
     """Write ``data`` to ``path`` (if given); the exit status (1: it could not be written,
     said in one line)."""
     if path:
+        from .io._atomic import remove_path, replace_atomically, temp_path_beside
+
+        # written beside and renamed: a write that fails part-way (a full disk) leaves the
+        # previous file, never a truncated one
+        tmp = temp_path_beside(path)
         try:
-            with open(path, "w") as f:
+            with open(tmp, "w") as f:
                 json.dump(data, f, indent=2, default=str)
+            replace_atomically(tmp, path)
         except OSError as exc:  # checked before the run, but the file system may differ now
-            print(f"gadgetloader {command}: error: --json {path}: {exc}", file=sys.stderr)
+            with contextlib.suppress(OSError):
+                remove_path(tmp)
+            text = " ".join(str(exc).split())
+            print(f"gadgetloader {command}: error: --json {path}: {text}", file=sys.stderr)
             return 1
         print(f"wrote {path}")
     return 0
@@ -103,11 +112,14 @@ def _check_json_target(
 ) -> None:
     """Refuse an output path (``--json``, ``--plot``, ``--profile``) that cannot be written,
     before running anything."""
-    if not path:
+    if path is None:
         return
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        parser.error(f"{option} {path}: is a directory")
+    if not path:
+        parser.error(f"{option}: an empty path; give a file name")
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        parser.error(f"{option} {path}: is a directory; give a file name")
+    # a symbolic link is written through: the folder that must exist is its target's
+    folder = os.path.dirname(os.path.realpath(path))
     if not os.path.isdir(folder):
         parser.error(f"{option} {path}: no such directory {folder}")
     if not os.access(folder, os.W_OK):
@@ -127,6 +139,8 @@ def _failed_checks(result: Any, where: str = "") -> list[str]:
         ) or str(result.get("name") or where)
         if result.get("check") in ("WRONG", "MISMATCH") or result.get("checked") is False:
             bad.append(str(label))
+        elif result.get("error") and _own_method(str(result.get("method", ""))):
+            bad.append(f"{label} (raised)")  # a baseline that cannot run here is no failure
         if result.get("checks_passed") is False and not bad:
             bad.append("checks_passed")
         verified = result.get("verified")
@@ -139,6 +153,12 @@ def _failed_checks(result: Any, where: str = "") -> list[str]:
         for item in result:
             bad += _failed_checks(item, where)
     return bad
+
+
+def _own_method(name: str) -> bool:
+    """Whether a benchmark method is gadgetloader's own (not a baseline such as torch's or
+    SpeedTorch's, which may be missing or refuse a size on some machines)."""
+    return name.lower().startswith("gadgetloader") or "Gadget" in name or "__getitems__" in name
 
 
 def _check_bench_order(parser: argparse.ArgumentParser, argv: Sequence[str], suite: str) -> None:
@@ -156,6 +176,39 @@ def _check_bench_order(parser: argparse.ArgumentParser, argv: Sequence[str], sui
             f"{' '.join(early)} given before the suite name; put options after it: "
             f"gadgetloader bench {suite} {' '.join(words[start:end])}"
         )
+
+
+class _PipeGuard:
+    """``sys.stdout`` during a benchmark: once the reader of a pipe has gone (`| head`),
+    further output is dropped instead of raising, so that the run ends and its results
+    still reach ``--json``; the caller then stops quietly."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.closed_pipe = False
+
+    def write(self, text: str) -> int:
+        if not self.closed_pipe:
+            try:
+                return int(self.stream.write(text))
+            except BrokenPipeError:
+                self._drop()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.closed_pipe:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._drop()
+
+    def _drop(self) -> None:
+        self.closed_pipe = True
+        with contextlib.suppress(OSError):  # Python's own flush at exit must not fail either
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...
+        return getattr(self.stream, name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -187,8 +240,16 @@ def _main(argv: Sequence[str] | None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command in ("bench", "info"):
         _check_json_target(parser, getattr(args, "json", None))
-        for option in ("plot", "profile"):
-            _check_json_target(parser, getattr(args, option, None), f"--{option}")
+        outputs: dict[str, str] = {}
+        for option in ("json", "plot", "profile"):
+            path = getattr(args, option, None)
+            if option != "json":
+                _check_json_target(parser, path, f"--{option}")
+            if path:
+                real = os.path.realpath(path)
+                if real in outputs:
+                    parser.error(f"--{outputs[real]} and --{option} name the same file {path}")
+                outputs[real] = option
         folder = getattr(args, "dir", None)
         if folder is not None and os.path.exists(folder) and not os.path.isdir(folder):
             parser.error(f"--dir {folder}: is not a directory")
@@ -204,6 +265,8 @@ def _main(argv: Sequence[str] | None) -> int:
         from .bench._common import OptionError
 
         module = _SUITES[args.suite or "seed"][0]
+        stdout = _PipeGuard(sys.stdout)
+        sys.stdout = stdout  # type: ignore[assignment]
         try:
             result = importlib.import_module(module).run(args)
         except OptionError as exc:  # a bad option found after parsing: a usage error too
@@ -211,7 +274,9 @@ def _main(argv: Sequence[str] | None) -> int:
         except (GadgetError, OSError) as exc:  # a file system problem: one line
             print(f"gadgetloader bench: error: {exc}", file=sys.stderr)
             return 1
-        except MemoryError as exc:  # a size beyond this machine's RAM: one line too
+        except (MemoryError, ValueError) as exc:  # a size beyond this machine's RAM: one line too
+            if isinstance(exc, ValueError) and "too big" not in str(exc):
+                raise  # (NumPy: "array is too big" for a byte count beyond 64 bits)
             print(
                 f"gadgetloader bench: error: not enough memory for the sizes asked "
                 f"({type(exc).__name__}: {str(exc)[:200]}); choose smaller sizes",
@@ -223,7 +288,9 @@ def _main(argv: Sequence[str] | None) -> int:
             import torch
 
             oom = isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())) or (
-                "out of memory" in text or "can't allocate memory" in text
+                "out of memory" in text
+                or "can't allocate memory" in text
+                or "storage size calculation overflowed" in text  # beyond 64 bits of bytes
             )
             if not oom:  # a crash (an illegal address, an assert) keeps its traceback
                 raise
@@ -236,7 +303,11 @@ def _main(argv: Sequence[str] | None) -> int:
         except KeyboardInterrupt:
             print("gadgetloader bench: interrupted", file=sys.stderr)
             return 130
+        finally:
+            sys.stdout = stdout.stream
         status = _write_json(getattr(args, "json", None), result, "bench")
+        if stdout.closed_pipe:  # the results reached --json; stop quietly (see main)
+            raise BrokenPipeError
         bad = sorted(set(_failed_checks(result)))
         if bad:  # a wrong result is a failed run, whatever the timings say (exit status 1)
             print(

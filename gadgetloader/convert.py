@@ -267,10 +267,11 @@ def run(args: argparse.Namespace) -> int:
             from .bench._common import OptionError
 
             raise OptionError(msg) from exc
-        print(f"gadgetloader convert: error: {msg}", file=sys.stderr)
+        # one line, whatever the message (h5py's error text may hold line breaks)
+        print(f"gadgetloader convert: error: {' '.join(msg.split())}", file=sys.stderr)
         return 1
     except OSError as exc:  # the file system's refusal (a path through a file, no space...)
-        print(f"gadgetloader convert: error: {exc}", file=sys.stderr)
+        print(f"gadgetloader convert: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     except InterruptedAfterWrite:
         print(

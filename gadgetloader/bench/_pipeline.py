@@ -113,6 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---- the table ---------------------------------------------------------------------------------
 def _write_table(path: str, rows: int, width: int, dtype: str, seed: int) -> None:
     rng = np.random.default_rng(seed)
+    if rows * width * np.dtype(dtype).itemsize >= 1 << 63:  # (NumPy would warn, then refuse)
+        raise MemoryError(f"a {rows} x {width} {dtype} table: more than 2**63 bytes")
     arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.dtype(dtype), shape=(rows, width))
     step = max(1, (32 << 20) // (width * arr.dtype.itemsize))
     for start in range(0, rows, step):
