@@ -24,6 +24,7 @@ import torch
 from ._device import pinned_empty
 from ._dtypes import c_order
 from ._errors import GadgetIndexError, GadgetTypeError, GadgetValueError
+from ._fork import keep_in_forked_child
 
 __all__ = [
     "FlagCheck",
@@ -253,7 +254,8 @@ _ends = _Ends()
 def _pair() -> torch.Tensor:
     """This thread's page-locked pair (made on first use)."""
     if _ends.buf is None:
-        _ends.buf = pinned_empty(2, torch.int64)
+        # (kept in a forked child, which frees other threads' locals: see _fork)
+        _ends.buf = keep_in_forked_child(pinned_empty(2, torch.int64))
         _ends.host = _ends.buf.numpy()
     return _ends.buf
 
@@ -286,7 +288,8 @@ def _mapped_ends(buf: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Ten
         return None
     if pair.data_ptr() != ptr or pair.device.index != index:
         return None
-    lo, hi = pair[0], pair[1]
+    lo, hi = keep_in_forked_child(pair[0]), keep_in_forked_child(pair[1])
+    keep_in_forked_child(pair)
     # once per thread and device: the GPU's two numbers must reach the buffer the host reads
     buf.fill_(0)
     with torch.inference_mode(False):

@@ -158,6 +158,8 @@ def _failed_checks(result: Any, where: str = "") -> list[str]:
 def _own_method(name: str) -> bool:
     """Whether a benchmark method is gadgetloader's own (not a baseline such as torch's or
     SpeedTorch's, which may be missing or refuse a size on some machines)."""
+    if "speedtorch" in name.lower():  # (SpeedTorch's DataGadget is a baseline)
+        return False
     return name.lower().startswith("gadgetloader") or "Gadget" in name or "__getitems__" in name
 
 

@@ -439,8 +439,8 @@ def test_cli_json_write_failure_after_the_run_is_one_line(tmp_path, monkeypatch,
     out = tmp_path / "x.json"
     real_open = open
 
-    def failing(p, *a, **k):
-        if os.fspath(p) == str(out):
+    def failing(p, *a, **k):  # (the JSON is written beside, as .x.json.partial-..., then renamed)
+        if os.fspath(p) == str(out) or os.path.basename(os.fspath(p)).startswith(".x.json."):
             raise PermissionError(13, "Permission denied", str(p))
         return real_open(p, *a, **k)
 

@@ -328,3 +328,55 @@ def test_convert_format_must_be_a_string(tmp_path, key, bad):
     assert os.listdir(tmp_path) == ["a.npy"]
     convert(str(tmp_path / "a.npy"), str(tmp_path / "b.npy"), **{key: "npy"})
     np.testing.assert_array_equal(np.load(tmp_path / "b.npy"), np.ones((3, 2), np.float32))
+
+
+# ---- fork: other threads' registered per-thread buffers are not freed in the child -----------
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_registered_thread_local_values_survive_a_fork(tmp_path):
+    """In a forked child Python clears every other thread's state (freeing its
+    threading.local values) before any at-fork hook runs; a registered value (in the
+    library: a thread's page-locked buffers, whose destructor calls CUDA) must not die."""
+    import threading
+
+    from gadgetloader._fork import keep_in_forked_child
+
+    log = tmp_path / "freed"
+
+    class Buffer:
+        def __init__(self, kept: bool) -> None:
+            self.kept = kept
+
+        def __del__(self) -> None:
+            with open(log, "a") as f:
+                f.write(f"{os.getpid()} {self.kept}\n")
+
+    local = threading.local()
+    ready, done = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        local.kept = keep_in_forked_child(Buffer(True))
+        local.plain = Buffer(False)
+        ready.set()
+        done.wait(30)
+        del local.kept, local.plain
+
+    t = threading.Thread(target=worker)
+    t.start()
+    try:
+        assert ready.wait(30)
+        pid = os.fork()
+        if pid == 0:  # the child: only this thread is left
+            import gc
+
+            gc.collect()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    finally:
+        done.set()
+        t.join(30)
+    lines = log.read_text().split("\n") if log.exists() else []
+    in_child = [line for line in lines if line.startswith(f"{pid} ")]
+    # the unregistered value died in the child (the hazard), the registered one did not
+    assert in_child == [f"{pid} False"], lines

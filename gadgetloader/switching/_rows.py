@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .._device import pinned_empty
+from .._fork import keep_in_forked_child
 from .._ids import check_range
 
 __all__ = [
@@ -199,7 +200,8 @@ _ends = _Ends()
 def _ends_buffer() -> torch.Tensor:
     """A per-thread pinned pair for an id range read back without its own synchronisation."""
     if _ends.buf is None:
-        _ends.buf = pinned_empty(2, torch.int64)
+        # (kept in a forked child, which frees other threads' locals: see _fork)
+        _ends.buf = keep_in_forked_child(pinned_empty(2, torch.int64))
     return _ends.buf
 
 

@@ -19,6 +19,7 @@ import torch
 
 from .._device import cupy_available, pinned_empty
 from .._errors import GadgetIndexError, GadgetTypeError, GadgetValueError, as_choice
+from .._fork import keep_in_forked_child
 from .._ids import _upload, check_range, flag_word, read_flag
 from . import _kernels
 
@@ -157,9 +158,10 @@ class _Staging(threading.local):
         if self.done is not None:
             self.done.synchronize()  # the previous copy out of (or into) the buffer finished
         if self.buf is None or self.buf.numel() < nbytes:
-            self.buf = pinned_empty(max(nbytes, 1 << 20), torch.uint8)
+            # (kept in a forked child, which frees other threads' locals: see _fork)
+            self.buf = keep_in_forked_child(pinned_empty(max(nbytes, 1 << 20), torch.uint8))
         if self.stream is None or self.stream.device != device:
-            self.stream = torch.cuda.Stream(device)
+            self.stream = keep_in_forked_child(torch.cuda.Stream(device))
         return self.buf
 
 
@@ -505,7 +507,7 @@ def _hybrid_gather(
         done = side.record_event()
     current.wait_event(done)
     out.record_stream(side)
-    _staging.done = done
+    _staging.done = keep_in_forked_child(done)
 
 
 def scatter(
