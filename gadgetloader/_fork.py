@@ -16,12 +16,24 @@ too: in the child, Python clears the states of every thread but the forking one 
 any at-fork hook runs, which frees their ``threading.local`` values. So the parent takes
 strong references to everything registered just before the fork (the child inherits
 them, and keeps them) and drops them in the parent just after it.
+
+Unregistered objects are covered as well where the parent had started CUDA: a child of
+such a process never collects the reference cycles it inherited. The parent moves every
+object the garbage collector tracks to its permanent generation just before the fork
+(:func:`gc.freeze`, a constant-time list move) and back just after it
+(:func:`gc.unfreeze`); the child keeps them frozen, so no cycle of its parent's -- a
+CuPy array, kernel or stream, a CUDA event or tensor of a caller's own -- is ever
+destroyed there. Objects the child makes are collected as usual. A process that froze
+objects itself (``gc.get_freeze_count() > 0``) keeps its freeze untouched: its child
+then freezes what it inherited first thing after the fork instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
+import sys
 import weakref
 from typing import Any, TypeVar
 
@@ -45,17 +57,61 @@ def keep_in_forked_child(obj: _T) -> _T:
     return obj
 
 
+#: in the parent, from just before a fork to just after it: whether this module froze the
+#: garbage collector's objects for the fork (and so unfreezes them after it)
+_FROZE: list[bool] = [False]
+
+
+def _cuda_started() -> bool:
+    """Whether this process has started CUDA (through torch or CuPy); asks without
+    starting it (a fork must not be what starts CUDA)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        with contextlib.suppress(Exception):
+            if torch.cuda.is_initialized():
+                return True
+    if sys.modules.get("cupy") is None:
+        return False
+    try:  # CuPy started CUDA here if this thread has a current context (the driver
+        # API answers without making one; it refuses before the driver is started)
+        from cupy.cuda import driver
+
+        return bool(driver.ctxGetCurrent())
+    except Exception:  # noqa: BLE001 - no driver, no CuPy CUDA: nothing started
+        return False
+
+
 def _before_fork() -> None:
     _AT_FORK[:] = list(_HOLDERS.values())
+    _FROZE[0] = False
+    if _cuda_started() and gc.get_freeze_count() == 0:
+        gc.freeze()  # the child inherits them frozen: never collected there
+        _FROZE[0] = True
 
 
 def _after_fork_in_parent() -> None:
     _AT_FORK.clear()
+    if _FROZE[0]:
+        _FROZE[0] = False
+        gc.unfreeze()
 
 
 def _after_fork_in_child() -> None:
     _KEPT.extend(_AT_FORK)
     _AT_FORK.clear()
+    if not _FROZE[0] and _cuda_started_before_fork():
+        gc.freeze()  # (a parent that froze objects itself: freeze the rest here)
+    _FROZE[0] = False
+
+
+def _cuda_started_before_fork() -> bool:
+    """In a forked child: whether the parent had started CUDA (torch marks such a child)."""
+    torch = sys.modules.get("torch")
+    bad_fork = getattr(getattr(torch, "cuda", None), "_is_in_bad_fork", None)
+    with contextlib.suppress(Exception):
+        if bad_fork is not None and bad_fork():
+            return True
+    return False
 
 
 if hasattr(os, "register_at_fork"):
