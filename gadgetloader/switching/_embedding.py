@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -46,6 +47,29 @@ from ._torchfile import table_tensor
 __all__ = ["OffloadedEmbedding", "OffloadedEmbeddingBag", "OffloadedOptimizer"]
 
 _BAG_MODES = ("sum", "mean", "max")
+
+
+def _eager_under_compile(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``forward`` run eagerly where ``torch.compile`` traces a model holding the module.
+
+    A lookup is host work (ids planned and checked on the CPU, rows paged in, a pending
+    step recorded) that no graph can hold: traced, it broke the graph at its first
+    ``.item()`` (with a warning), then at every later host step inside the library. Under
+    ``torch.compile`` it is now one clean break: the lookup runs as
+    ``torch.compiler.disable`` makes it, and its output is an input of the compiled rest.
+    The wrapper is made the first time a call sees TorchDynamo imported (``torch.compile``
+    imports it), so importing gadgetloader or running eagerly never imports it (~1 s)."""
+    disabled: list[Callable[..., torch.Tensor]] = []
+
+    @functools.wraps(forward)
+    def call(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if "torch._dynamo" not in sys.modules:
+            return forward(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(forward))
+        return disabled[0](*args, **kwargs)
+
+    return call
 
 
 class _Lookup(torch.autograd.Function):
@@ -675,7 +699,9 @@ class OffloadedEmbedding(_OffloadedTable):
     includes the whole table as ``weight`` (fine for small tables; use
     :func:`~gadgetloader.switching.save_checkpoint` for large ones). Forward
     calls made with gradients enabled keep their rows until the next
-    ``step()``: evaluate under ``torch.no_grad()``. ``nn.Embedding``'s ``padding_idx``,
+    ``step()``: evaluate under ``torch.no_grad()``. Under ``torch.compile`` the lookup
+    runs eagerly (one graph break; the rest of the model is compiled). ``nn.Embedding``'s
+    ``padding_idx``,
     ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` are not taken (a ``TypeError``
     for the unknown keyword). Other differences from ``nn.Embedding``: a table has at
     least one row; ``load_state_dict`` also takes a NumPy array and refuses integer
@@ -716,6 +742,7 @@ class OffloadedEmbedding(_OffloadedTable):
             num_embeddings, embedding_dim, placement, dtype=dtype, device=device, init=init
         )
 
+    @_eager_under_compile
     def forward(self, input: Any) -> torch.Tensor:
         local, rows, plan = self._rows_for(input)
         return self._deliver(_lookup(local, rows, plan))
@@ -875,6 +902,7 @@ class OffloadedEmbeddingBag(_OffloadedTable):
             _on_cpu_or_cuda(w, "per_sample_weights")
         return offsets, per_sample_weights
 
+    @_eager_under_compile
     def forward(
         self,
         input: Any,
