@@ -58,8 +58,11 @@ def keep_in_forked_child(obj: _T) -> _T:
 
 
 #: in the parent, from just before a fork to just after it: whether this module froze the
-#: garbage collector's objects for the fork (and so unfreezes them after it)
+#: garbage collector's objects for the fork (and so unfreezes them after it), and whether
+#: the child must freeze them itself (the parent had started CUDA but had frozen objects
+#: of its own, which an unfreeze would release)
 _FROZE: list[bool] = [False]
+_FREEZE_IN_CHILD: list[bool] = [False]
 
 
 def _cuda_started() -> bool:
@@ -83,14 +86,18 @@ def _cuda_started() -> bool:
 
 def _before_fork() -> None:
     _AT_FORK[:] = list(_HOLDERS.values())
-    _FROZE[0] = False
-    if _cuda_started() and gc.get_freeze_count() == 0:
-        gc.freeze()  # the child inherits them frozen: never collected there
-        _FROZE[0] = True
+    _FROZE[0] = _FREEZE_IN_CHILD[0] = False
+    if _cuda_started():
+        if gc.get_freeze_count() == 0:
+            gc.freeze()  # the child inherits them frozen: never collected there
+            _FROZE[0] = True
+        else:  # objects frozen by someone else stay so: the child freezes on its side
+            _FREEZE_IN_CHILD[0] = True
 
 
 def _after_fork_in_parent() -> None:
     _AT_FORK.clear()
+    _FREEZE_IN_CHILD[0] = False
     if _FROZE[0]:
         _FROZE[0] = False
         gc.unfreeze()
@@ -99,19 +106,9 @@ def _after_fork_in_parent() -> None:
 def _after_fork_in_child() -> None:
     _KEPT.extend(_AT_FORK)
     _AT_FORK.clear()
-    if not _FROZE[0] and _cuda_started_before_fork():
-        gc.freeze()  # (a parent that froze objects itself: freeze the rest here)
-    _FROZE[0] = False
-
-
-def _cuda_started_before_fork() -> bool:
-    """In a forked child: whether the parent had started CUDA (torch marks such a child)."""
-    torch = sys.modules.get("torch")
-    bad_fork = getattr(getattr(torch, "cuda", None), "_is_in_bad_fork", None)
-    with contextlib.suppress(Exception):
-        if bad_fork is not None and bad_fork():
-            return True
-    return False
+    if _FREEZE_IN_CHILD[0]:
+        gc.freeze()
+    _FROZE[0] = _FREEZE_IN_CHILD[0] = False
 
 
 if hasattr(os, "register_at_fork"):

@@ -14,6 +14,10 @@ pytestmark = [
     pytest.mark.filterwarnings(
         "ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"
     ),
+    # torch's own: torch._dynamo.reset() imports inductor, which warns (torch 2.11)
+    pytest.mark.filterwarnings(
+        "ignore:.*torch.jit.script_method.* is deprecated:DeprecationWarning"
+    ),
 ]
 
 STEPS = 4

@@ -59,11 +59,19 @@ def _lines(log, pid: int) -> list[str]:
 @pytest.fixture
 def no_garbage():
     gc.collect()
+    # objects some import froze (a fresh torch process on the GPU machine has a few
+    # hundred): released for the test, frozen again (with whatever lives then) after it
+    prior = gc.get_freeze_count()
+    if prior:
+        gc.unfreeze()
     was = gc.isenabled()
     gc.disable()  # no collection between making the cycle and the fork
     yield
     if was:
         gc.enable()
+    if prior:
+        gc.collect()
+        gc.freeze()
 
 
 def test_child_of_a_cuda_process_never_collects_inherited_cycles(tmp_path, monkeypatch, no_garbage):
@@ -94,10 +102,9 @@ def test_child_of_a_process_without_cuda_collects_as_usual(tmp_path, monkeypatch
 
 def test_a_callers_own_freeze_is_left_as_it_was(tmp_path, monkeypatch, no_garbage):
     """A process that froze objects itself keeps its freeze across the fork (the parent
-    does not unfreeze); its child, marked as forked after CUDA, freezes what it inherited."""
+    does not unfreeze); its child freezes what it inherited on its own side."""
     log = tmp_path / "freed"
     monkeypatch.setattr(_fork, "_cuda_started", lambda: True)
-    monkeypatch.setattr(_fork, "_cuda_started_before_fork", lambda: True)
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
@@ -105,7 +112,8 @@ def test_a_callers_own_freeze_is_left_as_it_was(tmp_path, monkeypatch, no_garbag
         _cycle_with_finalizer(log, "inherited")  # made after the caller's freeze
         pid = _fork_and_collect(log)
         assert _lines(log, pid) == ["child-made", "child-made"]
-        assert gc.get_freeze_count() == frozen
+        # not unfrozen by the fork (objects frozen here may since have died, no more)
+        assert 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
     gc.collect()
@@ -157,13 +165,14 @@ def test_child_of_a_cuda_process_keeps_its_parents_cuda_objects(tmp_path):
         gc.disable()
         leave_cycle()
         torch.cuda.synchronize()
+        before = gc.get_freeze_count()  # (some imports freeze objects of their own)
         pid = os.fork()
         if pid == 0:
             gc.collect()
             os._exit(0)
         _, status = os.waitpid(pid, 0)
         print("child", pid, os.WIFEXITED(status) and os.WEXITSTATUS(status))
-        print("frozen", gc.get_freeze_count())
+        print("frozen", gc.get_freeze_count() - before)
         gc.collect()
         print("parent", os.getpid())
         """
