@@ -18,14 +18,16 @@ strong references to everything registered just before the fork (the child inher
 them, and keeps them) and drops them in the parent just after it.
 
 Unregistered objects are covered as well where the parent had started CUDA: a child of
-such a process never collects the reference cycles it inherited. The parent moves every
-object the garbage collector tracks to its permanent generation just before the fork
-(:func:`gc.freeze`, a constant-time list move) and back just after it
-(:func:`gc.unfreeze`); the child keeps them frozen, so no cycle of its parent's -- a
-CuPy array, kernel or stream, a CUDA event or tensor of a caller's own -- is ever
-destroyed there. Objects the child makes are collected as usual. A process that froze
-objects itself (``gc.get_freeze_count() > 0``) keeps its freeze untouched: its child
-then freezes what it inherited first thing after the fork instead.
+such a process never collects the reference cycles it inherited. Just before the fork the
+parent disables the garbage collector (a flag: no collection can start in the child before
+the next step; the collector's lists are not touched in the parent, where another thread
+may be paused halfway through a collection); first thing in the child, every object the
+collector tracks is moved to its permanent generation (:func:`gc.freeze`) and the
+collector is enabled again, as it is in the parent just after the fork. So no cycle of
+the parent's -- a CuPy array, kernel or stream, a CUDA event or tensor of a caller's
+own -- is ever destroyed in the child (on the H200, collecting such garbage in a forked
+child killed it with a segmentation fault); objects the child makes are collected as
+usual.
 """
 
 from __future__ import annotations
@@ -57,12 +59,12 @@ def keep_in_forked_child(obj: _T) -> _T:
     return obj
 
 
-#: in the parent, from just before a fork to just after it: whether this module froze the
-#: garbage collector's objects for the fork (and so unfreezes them after it), and whether
-#: the child must freeze them itself (the parent had started CUDA but had frozen objects
-#: of its own, which an unfreeze would release)
-_FROZE: list[bool] = [False]
+#: from just before a fork to just after it: whether the child must freeze the garbage
+#: collector's objects (the parent had started CUDA), and whether the collector was
+#: enabled (it is disabled across the fork, so no collection runs in the child before the
+#: freeze)
 _FREEZE_IN_CHILD: list[bool] = [False]
+_GC_WAS_ENABLED: list[bool] = [False]
 
 
 def _cuda_started() -> bool:
@@ -86,29 +88,30 @@ def _cuda_started() -> bool:
 
 def _before_fork() -> None:
     _AT_FORK[:] = list(_HOLDERS.values())
-    _FROZE[0] = _FREEZE_IN_CHILD[0] = False
-    if _cuda_started():
-        if gc.get_freeze_count() == 0:
-            gc.freeze()  # the child inherits them frozen: never collected there
-            _FROZE[0] = True
-        else:  # objects frozen by someone else stay so: the child freezes on its side
-            _FREEZE_IN_CHILD[0] = True
+    _FREEZE_IN_CHILD[0] = _cuda_started()
+    if _FREEZE_IN_CHILD[0]:
+        # only a flag: the collector's lists are not touched here, where another thread
+        # may be halfway through a collection (paused in a finalizer)
+        _GC_WAS_ENABLED[0] = gc.isenabled()
+        gc.disable()
 
 
 def _after_fork_in_parent() -> None:
     _AT_FORK.clear()
-    _FREEZE_IN_CHILD[0] = False
-    if _FROZE[0]:
-        _FROZE[0] = False
-        gc.unfreeze()
+    if _FREEZE_IN_CHILD[0]:
+        _FREEZE_IN_CHILD[0] = False
+        if _GC_WAS_ENABLED[0]:
+            gc.enable()
 
 
 def _after_fork_in_child() -> None:
     _KEPT.extend(_AT_FORK)
     _AT_FORK.clear()
     if _FREEZE_IN_CHILD[0]:
-        gc.freeze()
-    _FROZE[0] = _FREEZE_IN_CHILD[0] = False
+        _FREEZE_IN_CHILD[0] = False
+        gc.freeze()  # everything inherited: never collected here
+        if _GC_WAS_ENABLED[0]:
+            gc.enable()
 
 
 if hasattr(os, "register_at_fork"):

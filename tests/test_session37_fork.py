@@ -64,6 +64,7 @@ def no_garbage():
     prior = gc.get_freeze_count()
     if prior:
         gc.unfreeze()
+        gc.collect()  # (garbage among them is collected here, not in a child)
     was = gc.isenabled()
     gc.disable()  # no collection between making the cycle and the fork
     yield
@@ -118,6 +119,27 @@ def test_a_callers_own_freeze_is_left_as_it_was(tmp_path, monkeypatch, no_garbag
         gc.unfreeze()
     gc.collect()
     assert _lines(log, os.getpid()) == ["inherited", "inherited"]
+
+
+def test_collector_state_across_the_fork(monkeypatch):
+    """The collector is enabled again on both sides (it is off only across the fork), and
+    the child starts with everything it inherited frozen."""
+    monkeypatch.setattr(_fork, "_cuda_started", lambda: True)
+    assert gc.isenabled()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(w, f"{gc.isenabled()} {gc.get_freeze_count() > 0}".encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    got = os.read(r, 100).decode()
+    os.close(r)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert got == "True True"
+    assert gc.isenabled()
 
 
 def test_cuda_started_is_false_without_cuda_and_starts_nothing():
