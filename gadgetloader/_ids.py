@@ -69,6 +69,13 @@ _WIDE_UNSIGNED = tuple(
 )
 
 
+def _beyond_int64(v: int) -> GadgetIndexError:
+    """The error for an id past int64: it names the id and what ids must be."""
+    return GadgetIndexError(
+        f"id {v} is out of range: ids must be in [0, 2**63-1] (int64), and below the table's row count"
+    )
+
+
 def _to_tensor(indexes: Any) -> torch.Tensor:
     if isinstance(indexes, torch.Tensor):
         if indexes.layout != torch.strided:
@@ -81,7 +88,7 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
             # dtypes have few operations on older versions); rare, so the copy is fine
             arr = indexes.detach().cpu().numpy()
             if arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-                raise GadgetIndexError("ids larger than 2**63-1 cannot address any table")
+                raise _beyond_int64(int(arr.max()))
             return torch.from_numpy(arr.astype(np.int64)).to(indexes.device)
         return indexes
     if isinstance(indexes, np.ndarray):
@@ -91,7 +98,7 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
             )
         if indexes.dtype == np.uint64:
             if indexes.size and int(indexes.max()) > np.iinfo(np.int64).max:
-                raise GadgetIndexError("ids larger than 2**63-1 cannot address any table")
+                raise _beyond_int64(int(indexes.max()))
             indexes = indexes.astype(np.int64)
         elif indexes.dtype in (np.uint16, np.uint32):
             indexes = indexes.astype(np.int64)
@@ -109,7 +116,7 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
     if isinstance(indexes, (int, np.integer)) and not isinstance(indexes, bool):
         v = int(indexes)
         if v > np.iinfo(np.int64).max:
-            raise GadgetIndexError("ids larger than 2**63-1 cannot address any table")
+            raise _beyond_int64(v)
         if v < np.iinfo(np.int64).min:
             raise GadgetIndexError(f"id {v} is negative: ids address rows from 0")
         return torch.tensor(v, dtype=torch.int64)
@@ -120,7 +127,7 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
         first, last = indexes[0], indexes[-1]
         lo, hi = min(first, last), max(first, last)
         if hi > np.iinfo(np.int64).max:
-            raise GadgetIndexError("ids larger than 2**63-1 cannot address any table")
+            raise _beyond_int64(hi)
         if lo < 0:
             raise GadgetIndexError(f"id {lo} is negative: ids address rows from 0")
         if first == last:  # one id, with any step (also one beyond int64)
@@ -160,7 +167,7 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
                 ):
                     ints = [int(x) for x in items]
                     if max(ints) > np.iinfo(np.int64).max:
-                        raise GadgetIndexError("ids larger than 2**63-1 cannot address any table")
+                        raise _beyond_int64(max(ints))
                     if min(ints) < np.iinfo(np.int64).min:
                         raise GadgetIndexError(
                             f"id {min(ints)} is negative: ids address rows from 0"

@@ -245,9 +245,24 @@ BAD_LISTS: list[tuple[str, list[Any], type[Exception], str]] = [
     ("none", [5, None], GadgetTypeError, r"ids must be integers; got a list holding (object|None)"),
     ("index_too_big", [Idx(2**64), 2], GadgetTypeError, r"holding object values"),
     ("np1d_one", [2, np.array([5])], GadgetTypeError, r"rectangular array of integers"),
-    ("huge", [3, 2**63], GadgetIndexError, r"ids larger than 2\*\*63-1 cannot address any table"),
-    ("huge_first", [2**64, 3], GadgetIndexError, r"ids larger than 2\*\*63-1"),
-    ("np_uint64_huge", [np.uint64(2**63), 3], GadgetIndexError, r"ids larger than 2\*\*63-1"),
+    (
+        "huge",
+        [3, 2**63],
+        GadgetIndexError,
+        r"id 9223372036854775808 is out of range: ids must be in \[0, 2\*\*63-1\]",
+    ),
+    (
+        "huge_first",
+        [2**64, 3],
+        GadgetIndexError,
+        r"is out of range: ids must be in \[0, 2\*\*63-1\]",
+    ),
+    (
+        "np_uint64_huge",
+        [np.uint64(2**63), 3],
+        GadgetIndexError,
+        r"is out of range: ids must be in \[0, 2\*\*63-1\]",
+    ),
     (
         "huge_negative",
         [3, -(2**63) - 1],
