@@ -1651,11 +1651,10 @@ class DataGadget:
         """Pickle for worker processes.
 
         ``file``: the file's name and options only (no rows); the copy reopens the
-        file lazily in its own process. ``cpu``: by value (through torch's shared
-        memory when a DataLoader sends it to workers; a table interleaved with its
-        optimizer state pickles a copy of its rows, which the table keeps until it is
-        pickled again, so a spawned process can still read it). ``cuda`` / ``pinned``
-        cannot be pickled: their rows live in this process's GPU mappings.
+        file lazily in its own process. ``cpu``: by value, under every pickler (also
+        when a DataLoader sends it to *spawned* workers: each gets its own copy of the
+        rows, and the parent's rows and NumPy views stay where they are). ``cuda`` /
+        ``pinned`` cannot be pickled: their rows live in this process's GPU mappings.
         """
         store = self.__dict__.get("_store")
         if store is not None and not store.closed and store.placement in ("cuda", "pinned"):
@@ -1666,15 +1665,6 @@ class DataGadget:
                 "placement='cpu'; 'fork' workers inherit the gadget without pickling"
             )
         state = self.__dict__.copy()
-        from .stores import SlotStore, standalone_copy
-
-        state.pop("_pickled_copy", None)
-        if isinstance(store, SlotStore) and not store.closed:
-            # a table interleaved with its optimizer state is a strided view of a buffer
-            # torch cannot hand to a spawned process: the copy takes its own rows, kept
-            # here until the next pickle (a spawned child reads torch's shared memory after
-            # the parent has pickled it, so the rows must outlive this call)
-            state["_store"] = self.__dict__["_pickled_copy"] = standalone_copy(store)
         state.pop("_owner", None)  # the module that trains it (a weak reference) stays behind
         state.pop("_switch", None)  # so does the switcher that pages it
         return state

@@ -110,7 +110,9 @@ class SlotStore(Store):
             raise TypeError(
                 f"a {self._placement} table shared with its optimizer state cannot be pickled"
             )
-        return (_cpu_store_of, (hv.contiguous() if not hv.is_contiguous() else hv.clone(),))
+        from ._memory import rows_by_value
+
+        return rows_by_value(hv)
 
     def _release(self) -> None:
         group, self._group = self._group, None
@@ -119,15 +121,6 @@ class SlotStore(Store):
         self._fin.detach()
         if group is not None:
             group.release(self._slot)
-
-
-def _cpu_store_of(rows: torch.Tensor) -> Store:
-    from ._memory import CpuStore
-
-    store = CpuStore.__new__(CpuStore)
-    Store.__init__(store, tuple(rows.shape), rows.dtype)
-    store._t = rows
-    return store
 
 
 def interleave(parent: Store) -> list[SlotStore]:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
 
 from ._base import Store, _cuda_usable
 
-__all__ = ["CpuStore", "CudaStore"]
+__all__ = ["CpuStore", "CudaStore", "rows_by_value"]
 
 
 class CpuStore(Store):
@@ -25,8 +28,47 @@ class CpuStore(Store):
     def host_view(self) -> torch.Tensor | None:
         return self._t
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickle (or deep-copy) by value: see :func:`rows_by_value`."""
+        if self._t is None:  # closed: a closed copy
+            return (_closed_cpu_store, (self.shape, self.dtype))
+        return rows_by_value(self._t)
+
     def _release(self) -> None:
         self._t = None
+
+
+def rows_by_value(rows: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
+    """How a ``cpu`` store of ``rows`` pickles: its rows as NumPy bytes, so every pickler
+    copies them. A torch tensor would go to a DataLoader's *spawned* workers (or through
+    any ``multiprocessing`` queue) through torch's shared memory: its rows moved there in
+    place -- a NumPy view taken of the table before (``getNumpyVersion(copy=False)``) left
+    pointing at freed memory -- and shared with the worker, whose writes would reach the
+    parent's table. The copy is an independent table, as the docs promise."""
+    flat = rows.detach().contiguous().reshape(-1).view(torch.uint8)
+    return (_cpu_store_of_bytes, (flat.numpy(), tuple(rows.shape), rows.dtype))
+
+
+def cpu_store_of(rows: torch.Tensor) -> CpuStore:
+    """A ``cpu`` store holding ``rows`` (no copy)."""
+    store = CpuStore.__new__(CpuStore)
+    Store.__init__(store, tuple(rows.shape), rows.dtype)
+    store._t = rows
+    return store
+
+
+def _cpu_store_of_bytes(data: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> CpuStore:
+    if not data.flags.writeable:  # unpickled from bytes: read-only, so the store's own copy
+        data = data.copy()
+    return cpu_store_of(torch.from_numpy(data).view(dtype).reshape(shape))
+
+
+def _closed_cpu_store(shape: tuple[int, ...], dtype: torch.dtype) -> CpuStore:
+    store = CpuStore.__new__(CpuStore)
+    Store.__init__(store, shape, dtype)
+    store._t = None
+    store._closed = True
+    return store
 
 
 class CudaStore(Store):
