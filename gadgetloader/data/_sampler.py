@@ -15,6 +15,7 @@ from __future__ import annotations
 import operator
 import os
 import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sized
 from concurrent.futures import Future
 from typing import Any
@@ -269,6 +270,24 @@ def _epoch_order_of(
     return out
 
 
+#: every sampler of this process (weakly), for the at-fork hook below
+_LIVE: weakref.WeakSet[GadgetSampler] = weakref.WeakSet()
+
+
+def _forget_orders_in_child() -> None:
+    """A forked child (a DataLoader worker) has only the thread that forked: an epoch order
+    another thread of the parent was still computing would never finish there, and a lock
+    held by another thread would stay held. So each sampler gets a new lock and forgets
+    its orders; it computes again (the same, from its seed) the ones it is asked for."""
+    for sampler in list(_LIVE):
+        sampler._lock = threading.Lock()
+        sampler._orders = {}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_orders_in_child)
+
+
 def _run_into(fut: Future[torch.Tensor], fn: Any, *args: Any) -> None:
     try:
         fut.set_result(fn(*args))
@@ -511,6 +530,7 @@ class GadgetSampler(Sampler[Any]):
         self._changes = 0
         self._orders: dict[int, Future[torch.Tensor]] = {}
         self._lock = threading.Lock()
+        _LIVE.add(self)
 
     # ---- set-up --------------------------------------------------------------------------
     @staticmethod
@@ -929,3 +949,4 @@ class GadgetSampler(Sampler[Any]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        _LIVE.add(self)
