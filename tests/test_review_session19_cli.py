@@ -565,13 +565,18 @@ def test_convert_interrupt_exits_130_and_leaves_no_partial(tmp_path):
          "--compression", "gzip", "--no-progress"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    deadline = time.monotonic() + 15
+    # (a loaded machine may take many seconds to import torch: interrupt only once the
+    # conversion has started writing, never during start-up)
+    deadline = time.monotonic() + 120
+    started = False
     while time.monotonic() < deadline and proc.poll() is None:
         if any(n.startswith(".big.h5.partial") for n in os.listdir(tmp_path)):
+            started = True
             break
         time.sleep(0.02)
     if proc.poll() is not None:
         pytest.skip("the conversion finished before it could be interrupted")
+    assert started, "the conversion did not start writing within 120 s"
     time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
