@@ -169,3 +169,52 @@ def test_ids_past_int64_name_the_id_and_the_range(ids, shown):
     with pytest.raises(gl.GadgetIndexError, match=rf"id {shown}"):
         g.insertData(np.zeros((1, 2), np.float32), ids)
     np.testing.assert_array_equal(g.getNumpyVersion(), np.ones((10, 2), np.float32))
+
+
+def test_chunk_reads_end_before_a_failed_call_returns(monkeypatch):
+    """A chunk that fails to read (a truncated file) ends the call only once every other
+    reading thread has stopped: none may go on writing into the caller's buffer, or
+    reading a descriptor the caller closes, after the call has raised."""
+    import threading
+    import time
+
+    from gadgetloader.io import _chunks
+
+    monkeypatch.setattr(_chunks, "_concurrency", lambda nbytes: 4)
+    lock = threading.Lock()
+    running = [0]
+    calls = []
+
+    def fn(k: int, s: int) -> None:
+        with lock:
+            running[0] += 1
+            calls.append(k)
+        try:
+            if k == 0:
+                raise gl.GadgetFileError("chunk 0 is cut short")
+            time.sleep(0.02)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    n = 64
+    with pytest.raises(gl.GadgetFileError, match="chunk 0"):
+        _chunks.for_each_chunk(fn, list(range(n)), list(range(n)), chunk_nbytes=1 << 20)
+    assert running[0] == 0
+    settled = len(calls)
+    time.sleep(0.1)
+    assert len(calls) == settled  # nothing started after the call returned
+    assert settled < n  # the failure stopped the other threads early
+
+
+def test_chunk_reads_all_run_when_none_fails(monkeypatch):
+    from gadgetloader.io import _chunks
+
+    monkeypatch.setattr(_chunks, "_concurrency", lambda nbytes: 4)
+    out = np.zeros(64, np.int64)
+
+    def fn(k: int, s: int) -> None:
+        out[s] = k + 1
+
+    _chunks.for_each_chunk(fn, list(range(64)), list(range(63, -1, -1)), chunk_nbytes=1 << 20)
+    np.testing.assert_array_equal(out, np.arange(64, 0, -1))

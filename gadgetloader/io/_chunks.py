@@ -11,6 +11,7 @@ sequential save is written exactly once, whole.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -454,18 +455,32 @@ def for_each_chunk(
     step = max(1, min(64, -(-n // (4 * workers))))
     starts = iter(range(0, n, step))  # shared: next() on it is atomic under the GIL
     lock = threading.Lock()
+    stop = threading.Event()  # a task failed, or the caller was interrupted
 
     def task() -> None:
-        while True:
+        while not stop.is_set():
             with lock:
                 i = next(starts, None)
             if i is None:
                 return
-            for k, s in zip(chunks[i : i + step], slots[i : i + step], strict=True):
-                fn(k, s)
+            try:
+                for k, s in zip(chunks[i : i + step], slots[i : i + step], strict=True):
+                    fn(k, s)
+            except BaseException:
+                stop.set()  # the others take no more groups
+                raise
 
     pool = thread_pool()
     futures = [pool.submit(task) for _ in range(min(workers, -(-n // step)))]
+    # Every task has ended before this returns or raises: a failed call must not leave
+    # threads writing into the caller's buffers (which it may free or reuse) or reading
+    # a descriptor the caller closes. A failed task stops the others at their next group.
+    try:
+        concurrent.futures.wait(futures)
+    except BaseException:  # (an interrupt while waiting)
+        stop.set()
+        concurrent.futures.wait(futures)
+        raise
     for f in futures:
         f.result()
 
