@@ -66,7 +66,7 @@ _MARKERS = ("zarr.json", ".zarray", ".zgroup")
 _COMPRESSIONS = ("zstd", "gzip", "blosc")
 #: bytes read beyond a chunk's decoded size in the first read of a compressed chunk
 _SLACK = 4096
-#: how long a failed write waits for zarr's other chunk writes still in flight
+#: how long a failed read or write waits for zarr's other chunk tasks still in flight
 _DRAIN_S = 60.0
 
 
@@ -370,7 +370,13 @@ class ZarrSource(ArraySource):
             self._array().get_basic_selection(
                 slice(start, stop), out=cpu.NDBuffer.from_numpy_array(out)
             )
-        except Exception as exc:
+        except BaseException as exc:
+            # zarr decodes chunk batches as tasks on its event loop and raises at the first
+            # failure (or an interrupt) while the others run on, writing into ``out``: the
+            # call ends only when they have (the caller may free ``out`` right after)
+            _drain_zarr_tasks()
+            if not isinstance(exc, Exception):
+                raise
             raise GadgetFileError(f"{self.path}: cannot read rows {start}:{stop} ({exc})") from exc
 
     def _chunk_file(self, k: int) -> str:
@@ -466,7 +472,7 @@ class ZarrSource(ArraySource):
         try:
             self._array()[start : start + rows.shape[0]] = rows
         except Exception as exc:
-            _drain_zarr_writes()  # the call ends when its writes do
+            _drain_zarr_tasks()  # the call ends when its writes do
             raise GadgetFileError(
                 f"{self.path}: cannot write rows {start}:{start + rows.shape[0]} ({exc})"
             ) from exc
@@ -592,7 +598,7 @@ class ZarrSink(ArraySink):
         # zarr writes chunks concurrently: when one fails, the others run on and would
         # re-create the directory (and chunk files) after it is removed
         try:
-            drained = _drain_zarr_writes()
+            drained = _drain_zarr_tasks()
         finally:
             remove_path(self._tmp)
         if not drained:  # zarr's loop could not be reached: remove what comes back
@@ -600,10 +606,11 @@ class ZarrSink(ArraySink):
             remove_path(self._tmp)
 
 
-def _drain_zarr_writes() -> bool:
+def _drain_zarr_tasks() -> bool:
     """Wait (up to :data:`_DRAIN_S`) until zarr's event loop has no task left running:
-    the chunk writes of a call that raised when one of them failed. Returns False when
-    zarr's loop cannot be reached (its internals changed) or does not finish in time."""
+    the chunk reads or writes of a call that raised when one of them failed (or when the
+    caller was interrupted). Returns False when zarr's loop cannot be reached (its
+    internals changed) or does not finish in time."""
     try:
         from zarr.core import sync as zsync
 
