@@ -239,12 +239,27 @@ class HostBuffer:
             )
         )
         self._mm = None
-        self.array = np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(ptr))
+        # the memory is freed when the last NumPy / torch view of it is gone (every view's
+        # base is ``mem``), not with this object: a host view handed out outlives the store
+        mem = _HostMemory(ptr, self.nbytes)
+        self.array = np.asarray(mem)
         self.host_ptr = ptr
         self.device_ptr = _device_pointer(cp, ptr)
-        fin = weakref.finalize(self, _free_host, ptr)
+        fin = weakref.finalize(mem, _free_host, ptr)
         fin.atexit = False
         self._finalizer = fin
+
+
+class _HostMemory:
+    """Exposes ``nbytes`` at ``ptr`` to NumPy as uint8; NumPy views keep it alive."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+        }
 
 
 def _free_host(ptr: int) -> None:
