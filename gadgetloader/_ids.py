@@ -14,6 +14,7 @@ as does the slots launch of a gather that reads each distinct row once:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -244,27 +245,72 @@ def _range_error(lo: int, hi: int, num_rows: int, seen: str) -> GadgetIndexError
     )
 
 
-class _Ends(threading.local):
-    """Per thread: a page-locked pair for the (smallest, largest) id of a check and, per
-    CUDA device, 0-d CUDA tensors aliasing its two numbers (the GPU writes them to host
-    memory directly, so a check is one reduction, with no copy queued after it)."""
+class _Pair:
+    """A page-locked pair for the (smallest, largest) id of a check and, per CUDA device,
+    0-d CUDA tensors aliasing its two numbers (the GPU writes them to host memory
+    directly, so a check is one reduction, with no copy queued after it)."""
+
+    __slots__ = ("buf", "host", "mapped")
 
     def __init__(self) -> None:
-        self.buf: torch.Tensor | None = None
-        self.host: np.ndarray | None = None  # NumPy's view of buf: a read costs no torch call
+        # (kept in a forked child, which frees other threads' locals: see _fork)
+        self.buf = keep_in_forked_child(pinned_empty(2, torch.int64))
+        self.host = self.buf.numpy()  # NumPy's view of buf: a read costs no torch call
         self.mapped: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+
+#: pairs of threads that have ended, for the next thread that needs one. A pair is never
+#: given back to torch's page-locked allocator: a thread may end with a check unfinished,
+#: and the GPU's write into the pair through its CUDA alias (which torch does not know
+#: of) may still be queued then; the next thread to take the pair first waits for its
+#: devices (:func:`_pair`)
+_SPARE: list[_Pair] = []
+
+
+class _Lease:
+    """A thread's hold on its pair: handed to :data:`_SPARE` when the thread ends."""
+
+    __slots__ = ("pair",)
+
+    def __init__(self, pair: _Pair) -> None:
+        self.pair = pair
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # (at interpreter exit the list may be gone)
+            _SPARE.append(self.pair)
+
+
+class _Ends(threading.local):
+    """Per thread: its :class:`_Lease` (None until the thread's first check)."""
+
+    def __init__(self) -> None:
+        self.lease: _Lease | None = None
 
 
 _ends = _Ends()
 
 
+def _this_pair() -> _Pair:
+    """This thread's pair: a spare one (once the GPU work its last owner queued is done) or
+    a new one."""
+    lease = _ends.lease
+    if lease is not None:
+        return lease.pair
+    try:
+        pair = _SPARE.pop()
+    except IndexError:
+        pair = _Pair()
+    else:
+        for index, mapped in pair.mapped.items():
+            if mapped is not None:  # its alias may have a write queued by the ended thread
+                torch.cuda.synchronize(index)
+    _ends.lease = _Lease(pair)
+    return pair
+
+
 def _pair() -> torch.Tensor:
-    """This thread's page-locked pair (made on first use)."""
-    if _ends.buf is None:
-        # (kept in a forked child, which frees other threads' locals: see _fork)
-        _ends.buf = keep_in_forked_child(pinned_empty(2, torch.int64))
-        _ends.host = _ends.buf.numpy()
-    return _ends.buf
+    """This thread's page-locked pair (made, or taken from an ended thread, on first use)."""
+    return _this_pair().buf
 
 
 def _mapped_ends(buf: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -313,17 +359,20 @@ def flag_word(device: torch.device) -> int | None:
     a flag must be read (:func:`read_flag`, after the work writing it) before the thread
     starts another check."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    buf = _pair()
-    if index not in _ends.mapped:
-        _ends.mapped[index] = _mapped_ends(buf, index)
-    mapped = _ends.mapped[index]
+    mapped = _aliases(_this_pair(), index)
     return None if mapped is None else int(mapped[0].data_ptr())
+
+
+def _aliases(pair: _Pair, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``pair``'s CUDA aliases on device ``index`` (found on first use)."""
+    if index not in pair.mapped:
+        pair.mapped[index] = _mapped_ends(pair.buf, index)
+    return pair.mapped[index]
 
 
 def read_flag() -> int:
     """The flag a kernel wrote at :func:`flag_word` (once the work writing it is done)."""
-    assert _ends.host is not None
-    return int(_ends.host[0])
+    return int(_this_pair().host[0])
 
 
 class GuardedCheck:
@@ -399,8 +448,7 @@ def start_flag_check(ids: torch.Tensor, num_rows: int) -> FlagCheck | None:
     flag = flag_word(ids.device)
     if flag is None:
         return None
-    assert _ends.host is not None
-    _ends.host[0] = 0  # (no GPU work writes it: the thread's last check has finished)
+    _this_pair().host[0] = 0  # (no GPU work writes it: the thread's last check has finished)
     return FlagCheck(flag, ids, num_rows)
 
 
@@ -424,11 +472,10 @@ def start_range_check(ids: torch.Tensor, num_rows: int, *, private: bool = False
         buf = pinned_empty(2, torch.int64)
         buf.copy_(torch.stack(torch.aminmax(flat)), non_blocking=True)
         return range_check_of(buf, num_rows, stream.record_event())
-    buf = _pair()
+    pair = _this_pair()
+    buf = pair.buf
     index = ids.device.index if ids.device.index is not None else torch.cuda.current_device()
-    if index not in _ends.mapped:
-        _ends.mapped[index] = _mapped_ends(buf, index)
-    mapped = _ends.mapped[index]
+    mapped = _aliases(pair, index)
     if mapped is None:
         buf.copy_(torch.stack(torch.aminmax(flat)), non_blocking=True)
     else:

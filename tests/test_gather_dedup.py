@@ -438,20 +438,21 @@ def test_a_flag_check_raises_the_usual_error_and_falls_back_without_an_event(
 ) -> None:
     from gadgetloader import _ids
 
-    pair = torch.zeros(2, dtype=torch.int64)  # (the thread's page-locked pair on a GPU host)
-    monkeypatch.setattr(_ids._ends, "buf", pair)
-    monkeypatch.setattr(_ids._ends, "host", pair.numpy())
+    pair = _ids._Pair.__new__(_ids._Pair)  # (the thread's page-locked pair on a GPU host)
+    pair.buf = torch.zeros(2, dtype=torch.int64)
+    pair.host, pair.mapped = pair.buf.numpy(), {}
+    monkeypatch.setattr(_ids, "_this_pair", lambda: pair)
     ids = torch.tensor([0, 4, 9])
     check = _ids.FlagCheck(1, ids, 10)
     event = _Event()
     check.event = event
-    _ids._ends.host[0] = 0
+    pair.host[0] = 0
     check()  # flag clear: passes, having waited for the launch
     assert event.waited == 1
     bad = torch.tensor([0, 12, 3])
     check = _ids.FlagCheck(1, bad, 10)
     check.event = _Event()
-    _ids._ends.host[0] = 1
+    pair.host[0] = 1
     with pytest.raises(gl.GadgetIndexError, match="id 12 is out of range"):
         check()
     # the flag set although the ids are fine now (they changed after the read): still an error
@@ -459,7 +460,7 @@ def test_a_flag_check_raises_the_usual_error_and_falls_back_without_an_event(
     check.event = _Event()
     with pytest.raises(gl.GadgetIndexError, match="outside the table"):
         check()
-    _ids._ends.host[0] = 0
+    pair.host[0] = 0
     # the gather took no slots (no event): the ordinary check runs
     with pytest.raises(gl.GadgetIndexError, match="id 12 is out of range"):
         _ids.FlagCheck(1, bad, 10)()

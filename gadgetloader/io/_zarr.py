@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,7 +67,8 @@ _MARKERS = ("zarr.json", ".zarray", ".zgroup")
 _COMPRESSIONS = ("zstd", "gzip", "blosc")
 #: bytes read beyond a chunk's decoded size in the first read of a compressed chunk
 _SLACK = 4096
-#: how long a failed read or write waits for zarr's other chunk tasks still in flight
+#: seconds between the warnings of a failed read or write still waiting for zarr's other
+#: chunk tasks (it waits until they end)
 _DRAIN_S = 60.0
 
 
@@ -607,10 +609,12 @@ class ZarrSink(ArraySink):
 
 
 def _drain_zarr_tasks() -> bool:
-    """Wait (up to :data:`_DRAIN_S`) until zarr's event loop has no task left running:
-    the chunk reads or writes of a call that raised when one of them failed (or when the
-    caller was interrupted). Returns False when zarr's loop cannot be reached (its
-    internals changed) or does not finish in time."""
+    """Wait until zarr's event loop has no task left running: the chunk reads or writes of
+    a call that raised when one of them failed (or when the caller was interrupted). They
+    write into the call's buffer (or files), so the wait has no time limit: a
+    ``RuntimeWarning`` says so every :data:`_DRAIN_S` seconds, and only an interrupt (a
+    further Ctrl-C) ends it early. Returns False when zarr's loop cannot be reached (its
+    internals changed)."""
     try:
         from zarr.core import sync as zsync
 
@@ -636,13 +640,24 @@ def _drain_zarr_tasks() -> bool:
         fut = asyncio.run_coroutine_threadsafe(others(), loop)
     except Exception:
         return False
+    waited = 0.0
     try:
-        fut.result(timeout=_DRAIN_S)
-    except Exception:  # timed out
-        return False
+        while True:
+            try:
+                fut.result(timeout=_DRAIN_S)
+                return True
+            except concurrent.futures.TimeoutError:
+                waited += _DRAIN_S
+                warnings.warn(
+                    f"zarr's chunk tasks of a failed call are still running after {waited:g} s;"
+                    " waiting for them to end (they write into the call's buffer or files)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            except Exception:  # the loop stopped under the wait
+                return False
     finally:
         fut.cancel()  # nothing when it is done
-    return True
 
 
 _WRITER: list[concurrent.futures.ThreadPoolExecutor] = []
