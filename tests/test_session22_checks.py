@@ -114,7 +114,7 @@ def test_check_set_up_in_inference_mode_works_outside_it() -> None:
             b = g.getData(ids)
             with pytest.raises(GadgetIndexError):
                 g.getData(torch.tensor([ROWS], device="cuda"))
-            seen.append(_ids._ends.mapped.get(torch.cuda.current_device()))
+            seen.append(_ids._this_pair().mapped.get(torch.cuda.current_device()))
             assert torch.equal(a.cpu(), src[[4, 1, 4999]])
             assert torch.equal(b.cpu(), src[[4, 1, 4999]])
         except BaseException as e:  # reported to the test's thread
@@ -135,8 +135,7 @@ def test_mapped_pair_holds_the_last_checks_ends() -> None:
     ids = torch.tensor([17, 3, 4321, 99], device="cuda")
     g.getData(ids)
     torch.cuda.synchronize()
-    assert _ids._ends.buf is not None
-    assert _ids._ends.buf.tolist() == [3, 4321]
+    assert _ids._this_pair().buf.tolist() == [3, 4321]
 
 
 def test_numpy_readonly_and_uint_ids_checked_after_the_gather() -> None:
