@@ -51,9 +51,46 @@ _KEPT: list[Any] = []
 _AT_FORK: list[Any] = []
 
 
+def _weakref_unsafe_types() -> tuple[type, ...]:
+    """Types whose instances must not be held here: torch's streams and events. Some
+    torch versions (2.11 among them; fixed upstream by pytorch PR #183403) free a
+    ``torch.cuda.Stream`` or ``torch.cuda.Event`` without clearing the weak references
+    to it, so the registry would keep a reference into freed memory; :func:`_before_fork`
+    reading it, or the registry's teardown at exit, then corrupts the allocator (the
+    segmentation faults seen on the H200 up to session 41). Register the Python object
+    that owns such a stream or event instead."""
+    if _UNSAFE:
+        return _UNSAFE[0]
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return ()  # (nothing of torch's can be passed in yet: asked again next time)
+    found: list[type] = []
+    for owner, names in ((torch, ("Stream", "Event")), (torch.cuda, ("Stream", "Event"))):
+        for name in names:
+            kind = getattr(owner, name, None)
+            if isinstance(kind, type):
+                found.append(kind)
+    _UNSAFE.append(tuple(found))
+    return _UNSAFE[0]
+
+
+#: the answer of :func:`_weakref_unsafe_types`, once torch is imported
+_UNSAFE: list[tuple[type, ...]] = []
+
+
 def keep_in_forked_child(obj: _T) -> _T:
     """Register ``obj`` (weakly) so that a process forked while it is alive never
-    destroys it; returns ``obj`` (an object that takes no weak reference is left alone)."""
+    destroys it; returns ``obj`` (an object that takes no weak reference is left alone).
+
+    Raises ``TypeError`` for a torch stream or event (see :func:`_weakref_unsafe_types`):
+    register the Python object that owns it."""
+    unsafe = _weakref_unsafe_types()
+    if unsafe and isinstance(obj, unsafe):
+        raise TypeError(
+            f"keep_in_forked_child: a {type(obj).__module__}.{type(obj).__qualname__} "
+            "cannot be registered (some torch versions free streams and events without "
+            "clearing weak references to them); register the Python object that owns it"
+        )
     with contextlib.suppress(TypeError):
         _HOLDERS[id(obj)] = obj
     return obj

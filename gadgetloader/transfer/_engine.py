@@ -146,22 +146,36 @@ def resolve_strategy(
     return "hybrid"
 
 
+class _Side:
+    """The hybrid transfer's side stream and its last copy's completion event.
+
+    Registered with the fork hooks in their place (:mod:`gadgetloader._fork`), so a
+    forked child still never destroys them: torch streams and events themselves must
+    not be held through weak references, which some torch versions leave dangling."""
+
+    __slots__ = ("stream", "done", "__weakref__")
+
+    def __init__(self) -> None:
+        self.stream: Any = None
+        self.done: Any = None
+
+
 class _Staging(threading.local):
     """Per-thread reusable pinned staging buffer, side stream and completion event."""
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
-        self.stream: Any = None
-        self.done: Any = None
+        # (kept in a forked child, which frees other threads' locals: see _fork)
+        self.side = keep_in_forked_child(_Side())
 
     def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        if self.done is not None:
-            self.done.synchronize()  # the previous copy out of (or into) the buffer finished
+        side = self.side
+        if side.done is not None:
+            side.done.synchronize()  # the previous copy out of (or into) the buffer finished
         if self.buf is None or self.buf.numel() < nbytes:
-            # (kept in a forked child, which frees other threads' locals: see _fork)
             self.buf = keep_in_forked_child(pinned_empty(max(nbytes, 1 << 20), torch.uint8))
-        if self.stream is None or self.stream.device != device:
-            self.stream = keep_in_forked_child(torch.cuda.Stream(device))
+        if side.stream is None or side.stream.device != device:
+            side.stream = torch.cuda.Stream(device)
         return self.buf
 
 
@@ -500,14 +514,15 @@ def _hybrid_gather(
     before.synchronize()  # the CPU must not read rows a queued kernel is still writing
     torch.index_select(host, 0, cpu_ids, out=stage)  # CPU threads, while the GPU kernel runs
     current = torch.cuda.current_stream(device)
-    side = _staging.stream
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
+    side = _staging.side
+    stream = side.stream
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
         out[:k].copy_(stage, non_blocking=True)
-        done = side.record_event()
+        done = stream.record_event()
     current.wait_event(done)
-    out.record_stream(side)
-    _staging.done = keep_in_forked_child(done)
+    out.record_stream(stream)
+    side.done = done  # (the registered _Side keeps it in a forked child)
 
 
 def scatter(
