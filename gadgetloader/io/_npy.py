@@ -6,6 +6,7 @@ import contextlib
 import io
 import math
 import os
+import threading
 import tokenize
 import weakref
 from pathlib import Path
@@ -32,6 +33,12 @@ __all__ = ["NpySink", "NpySource", "is_npy"]
 NPY_BLOCK_BYTES = 8 << 20
 _MAGIC = b"\x93NUMPY"
 
+#: NumPy parses a .npy header with ``ast.literal_eval``. CPython 3.11 keeps the AST
+#: builder's recursion counter per interpreter, not per thread, so two threads parsing at
+#: once can fail with "SystemError: AST constructor recursion depth mismatch" (CPython
+#: gh-106905). Every header NpySource parses goes through this lock.
+_HEADER_LOCK = threading.Lock()
+
 
 def is_npy(path: str | os.PathLike[str]) -> bool:
     """True when ``path`` is a file that starts with the .npy magic string."""
@@ -45,12 +52,13 @@ def is_npy(path: str | os.PathLike[str]) -> bool:
 def _read_header(f: BinaryIO, path: str) -> tuple[tuple[int, ...], np.dtype, bool, int]:
     try:
         version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-        elif version in ((2, 0), (3, 0)):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-        else:
-            raise ValueError(f"unsupported .npy version {version}")
+        with _HEADER_LOCK:
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            elif version in ((2, 0), (3, 0)):
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            else:
+                raise ValueError(f"unsupported .npy version {version}")
     except (
         ValueError,
         SyntaxError,
@@ -146,7 +154,15 @@ class NpySource(ArraySource):
 
     def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
         if self._fortran or self._file_dtype.byteorder == ">":
-            mm = np.load(self.path, mmap_mode="r")
+            # a map at the header's offset: no second header parse (see _HEADER_LOCK)
+            mm = np.memmap(
+                self.path,
+                dtype=self._file_dtype,
+                mode="r",
+                offset=self._offset,
+                shape=self.shape,
+                order="F" if self._fortran else "C",
+            )
             out[...] = mm[start:stop]
             return
         f = self._file()
