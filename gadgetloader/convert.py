@@ -110,6 +110,16 @@ def convert(
             ) from exc
         raise
     try:
+        target = os.path.realpath(dst_p)
+        for w in getattr(source, "watch_paths", ()):
+            # the rows live in the destination (a zarr array inside it, an HDF5 external
+            # link's target): replacing it would destroy them and the rest of that file
+            real = os.path.realpath(w)
+            if real == target or real.startswith(target + os.sep) or _same_file(w, dst_p):
+                raise GadgetValueError(
+                    f"convert: the rows of {src_p!r} are stored in {real!r}, which the "
+                    f"destination {dst_p!r} would replace; write to another file"
+                )
         if source.num_rows == 0:
             raise GadgetValueError(
                 f"{src_p} holds a table with zero rows {tuple(source.shape)}; nothing to "

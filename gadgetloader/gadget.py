@@ -1054,12 +1054,16 @@ class DataGadget:
                     start, stop, step = x.indices(size)
                     rest.append(slice(start, stop, min(step, max(size, 1))))
                     continue
-                if _is_int(x):
-                    rest.append(x)
+                if _is_int(x) and getattr(x, "ndim", 0) == 0:
+                    # a plain int: torch reads a uint8 tensor as a mask and any tensor as an
+                    # advanced index (a copy, which a write would go into)
+                    rest.append(operator.index(x))
                     continue
+                shape = getattr(x, "shape", None)
                 raise GadgetTypeError(
-                    "an index into the rows (after the row ids) takes slices and ints; got "
-                    f"{type(x).__name__}"
+                    "an index into the rows (after the row ids) takes slices and ints (0-d "
+                    f"integer tensors and arrays too); got {type(x).__name__}"
+                    + (f" of shape {tuple(shape)}" if shape is not None else "")
                 )
             return rows, tuple(rest)
         return indexes, ()
@@ -1549,6 +1553,8 @@ class DataGadget:
         """
         self._store.check_open()  # a closed table stays closed: no new store behind it
         self._check_no_waiting_lookup("loading a file into this table")
+        if progress is not None:  # checked here: a file table's reopen never reads rows
+            progress = as_flag(progress, "progress")
         if getattr(self._store, "load_in_place", False):
             self._load_in_place(as_path(path), dataset, format, progress)
             self._wrote()

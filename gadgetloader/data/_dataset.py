@@ -113,11 +113,28 @@ class GadgetBatch(tuple):  # type: ignore[type-arg]
         return f"GadgetBatch({', '.join(repr(t) for t in self)})"
 
 
+class _RowBatch(GadgetBatch):
+    """The unbatched rows of one 0-d id (``ds[torch.tensor(3)]``): what a wrapper that
+    indexes sample by sample (``ConcatDataset``, torch's per-sample fetcher) collects,
+    and ``default_collate`` stacks along a new batch axis."""
+
+    __slots__ = ()
+
+
 def _collate_gadget_batches(
     batch: Sequence[GadgetBatch], *, collate_fn_map: dict[Any, Any] | None = None
 ) -> GadgetBatch:
     """``default_collate`` for pre-batched results: one batch passes through unchanged;
-    several are concatenated along the batch axis."""
+    several are concatenated along the batch axis. Unbatched rows (of 0-d ids) are
+    stacked along a new batch axis, as ``default_collate`` stacks ``ds[i]``'s tuples."""
+    rows = [isinstance(b, _RowBatch) for b in batch]
+    if all(rows):
+        return GadgetBatch(torch.stack(list(cols)) for cols in zip(*batch, strict=True))
+    if any(rows):
+        raise GadgetTypeError(
+            "default_collate got both rows of single ids (a 0-d id gives unbatched rows) and "
+            "batches of ids; give one kind of index to a GadgetDataset per batch"
+        )
     if len(batch) == 1:
         return batch[0]
     return GadgetBatch(torch.cat(list(cols)) for cols in zip(*batch, strict=True))
@@ -466,7 +483,10 @@ class GadgetDataset(Dataset[Any]):
             if i < 0:
                 i += n
             return tuple(t[0] for t in self.gather([i]))
-        return self._read(index)
+        got = self._read(index)
+        if getattr(index, "ndim", None) == 0:
+            return _RowBatch(got)  # collated by stacking (see _collate_gadget_batches)
+        return got
 
     def __getitems__(self, indices: Any) -> list[GadgetBatch]:
         """A whole batch for torch's fetcher: ``[GadgetBatch]`` (see the module notes).

@@ -204,19 +204,38 @@ def check_dataset_name(dataset: str | None, fmt: str, path: object) -> str | Non
         Not a string.
     GadgetValueError
         A name with ``.`` or ``..`` parts (``'..'``, ``'a/../x'``), or none: it must name
-        an array below the file's root.
+        an array below the file's root. Also a name with a backslash or a NUL character, text
+        that is not UTF-8, or a part named as a zarr metadata file (``zarr.json``,
+        ``.zarray``...): the formats would store another name or break the group.
     """
     if dataset is None:
         return None
     if not isinstance(dataset, str):
         raise GadgetTypeError(f"dataset must be a string (a name inside the file); got {dataset!r}")
     parts = [part for part in dataset.split("/") if part]
-    if not parts or any(part in (".", "..") for part in parts):
+    try:
+        dataset.encode("utf-8")
+        encodable = True
+    except UnicodeEncodeError:
+        encodable = False
+    if (
+        not parts
+        or not encodable
+        or any(part in (".", "..") or part.lower() in _METADATA_NAMES for part in parts)
+        or any(c in dataset for c in "\\\0")
+    ):
         raise GadgetValueError(
             f"dataset {dataset!r} is not a valid {fmt} array name for {path}: expected names "
-            "joined by '/' below the root (e.g. 'data' or 'group/emb'), without '.' or '..'"
+            "joined by '/' below the root (e.g. 'data' or 'group/emb'), without '.' or '..' "
+            "parts, backslashes, NUL characters, text that is not UTF-8, or a part named as a "
+            f"zarr metadata file ({', '.join(sorted(_METADATA_NAMES))})"
         )
     return "/".join(parts)
+
+
+#: file names a zarr store keeps its metadata in: an array or group so named would take
+#: the place of its parent's metadata
+_METADATA_NAMES = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata"})
 
 
 def default_chunk_rows(row_nbytes: int, num_rows: int, chunk_rows: int | None = None) -> int:

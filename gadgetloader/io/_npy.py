@@ -212,7 +212,25 @@ class NpySource(ArraySource):
         data = np.ascontiguousarray(rows, dtype=self._file_dtype)
         f = self._file()
         f.seek(self._offset + start * self.row_nbytes)
-        f.write(data.reshape(-1).view(np.uint8).data)
+        view = memoryview(data.reshape(-1).view(np.uint8))
+        done = 0
+        # an unbuffered write may be short (a full disk): write on until every byte is in,
+        # and fail loudly where the file takes no more
+        while done < len(view):
+            try:
+                n = f.write(view[done:])
+            except OSError as exc:
+                raise GadgetFileError(
+                    f"could not write rows {start}..{start + len(data) - 1} to {self.path}: {exc} "
+                    f"({done} of {len(view)} bytes written; the rows before them may be partly "
+                    "written)"
+                ) from exc
+            if not n:
+                raise GadgetFileError(
+                    f"could not write rows {start}..{start + len(data) - 1} to {self.path}: the "
+                    f"file took {done} of {len(view)} bytes (is the disk full?)"
+                )
+            done += n
 
     def close(self) -> None:
         if self._f is not None:

@@ -226,6 +226,9 @@ class ZarrSource(ArraySource):
                         f"{self.path} has no zarr array {dataset!r}; arrays in the store: {arrays}"
                     )
                 arr = node[dataset]
+            # zarr normalises the name it was given (``'g\\x'`` is ``'g/x'``); the chunk files
+            # are found under the array's own path
+            dataset = str(arr.path).strip("/") or dataset
         else:
             if dataset not in (None, "", "/"):
                 raise GadgetKeyError(
