@@ -30,7 +30,9 @@ from gadgetloader.io import _npy
 
 zarr = pytest.importorskip("zarr")
 
-PLACEMENTS = ["cpu", "file"]
+from conftest import MEMORY_PLACEMENTS  # noqa: E402
+
+PLACEMENTS = [*MEMORY_PLACEMENTS, "file"]
 
 
 def _table(tmp_path, placement):
@@ -55,14 +57,14 @@ def _table(tmp_path, placement):
 def test_zero_d_index_into_row_is_an_int(tmp_path, placement, index):
     g, data = _table(tmp_path, placement)
     got = g[[1, 2], index]
-    np.testing.assert_array_equal(got.numpy(), data[[1, 2], 1])
+    np.testing.assert_array_equal(got.cpu().numpy(), data[[1, 2], 1])
     g[[1, 2], index] = torch.full((2, 2), -7.0)
     expected = data.copy()
     expected[[1, 2], 1] = -7.0
-    np.testing.assert_array_equal(g[:].numpy(), expected)
+    np.testing.assert_array_equal(g[:].cpu().numpy(), expected)
     g.insertData(torch.full((2, 2), 9.0), ([3, 4], index))
     expected[[3, 4], 1] = 9.0
-    np.testing.assert_array_equal(g[:].numpy(), expected)
+    np.testing.assert_array_equal(g[:].cpu().numpy(), expected)
     g.close()
 
 
@@ -78,7 +80,7 @@ def test_index_into_row_of_one_element_array_is_refused(tmp_path, placement, ind
         g[[1, 2], index] = torch.full((2, 1, 2), -5.0)
     with pytest.raises(gl.GadgetTypeError, match="slices and ints"):
         g.insertData(torch.full((2, 1, 2), 99.0), (slice(1, 3), index))
-    np.testing.assert_array_equal(g[:].numpy(), data)
+    np.testing.assert_array_equal(g[:].cpu().numpy(), data)
     g.close()
 
 
@@ -89,9 +91,9 @@ def test_load_progress_string_refused_everywhere(tmp_path, placement):
     np.save(other, data + 1)
     with pytest.raises(gl.GadgetTypeError, match="progress must be True or False"):
         g.load(str(other), progress="False")
-    np.testing.assert_array_equal(g[:].numpy(), data)
+    np.testing.assert_array_equal(g[:].cpu().numpy(), data)
     g.load(str(other), progress=0)
-    np.testing.assert_array_equal(g[:].numpy(), data + 1)
+    np.testing.assert_array_equal(g[:].cpu().numpy(), data + 1)
     g.close()
 
 
