@@ -9,7 +9,14 @@ import torch
 
 from ._errors import GadgetTypeError
 
-__all__ = ["SUPPORTED_DTYPES", "as_torch_dtype", "numpy_dtype", "dtype_name"]
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "as_torch_dtype",
+    "numpy_dtype",
+    "dtype_name",
+    "host_tensor",
+    "plain_items",
+]
 
 #: torch dtype -> the NumPy dtype with the same bytes (bfloat16 has none: its bits travel as uint16)
 _NUMPY_OF: dict[torch.dtype, np.dtype] = {
@@ -109,8 +116,9 @@ def as_torch_dtype(dtype: Any) -> torch.dtype:
                 )
             elif npd.kind == "f":
                 hint = (
-                    " (pass dtype='float64', or another float dtype, to convert an array "
-                    "source on the way in)"
+                    " (pass dtype='float64', or another float dtype, to convert an array or "
+                    "tensor on the way in; a file of this dtype is rewritten first, e.g. "
+                    "with NumPy: np.save(new_path, np.load(path).astype('float64')))"
                 )
             elif npd.kind == "c":
                 hint = " (complex tables are not supported; store the real and imaginary parts)"
@@ -147,3 +155,36 @@ def c_order(a: np.ndarray) -> np.ndarray:
     if any(s < 0 for s in a.strides):
         a = a.copy(order="C")
     return a
+
+
+def host_tensor(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` checked as an array of values (dense, on the CPU or a CUDA device, not a
+    nested tensor) and detached: a table's rows never join an autograd graph."""
+    if getattr(t, "is_nested", False):
+        raise GadgetTypeError(f"{what} must be a dense tensor; got a nested tensor")
+    if t.layout != torch.strided:
+        raise GadgetTypeError(f"{what} must be a dense tensor; got layout {t.layout}")
+    if t.device.type not in ("cpu", "cuda"):
+        raise GadgetTypeError(f"{what} must be on the CPU or a CUDA device; got {t.device}")
+    return t.detach()
+
+
+def plain_items(seq: list[Any] | tuple[Any, ...], what: str) -> tuple[Any, torch.dtype | None]:
+    """A nested list / tuple ready for ``np.asarray``: its torch-tensor items checked (see
+    :func:`host_tensor`), detached and moved to the host as NumPy arrays (bfloat16, which
+    NumPy lacks, as float32, which holds it exactly). Also the dtype to give the result:
+    bfloat16 where every tensor item was bfloat16 and nothing else is in it, else None."""
+    kinds: set[Any] = set()
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, (list, tuple)):
+            return [walk(v) for v in x]
+        if isinstance(x, torch.Tensor):
+            t = host_tensor(x, what).cpu()
+            kinds.add(t.dtype)
+            return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+        kinds.add(type(x))
+        return x
+
+    out = walk(seq)
+    return out, (torch.bfloat16 if kinds == {torch.bfloat16} else None)

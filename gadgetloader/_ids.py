@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ._device import pinned_empty
-from ._dtypes import c_order
+from ._dtypes import c_order, dtype_name, plain_items
 from ._errors import GadgetIndexError, GadgetTypeError, GadgetValueError
 from ._fork import keep_in_forked_child
 
@@ -79,6 +79,8 @@ def _beyond_int64(v: int) -> GadgetIndexError:
 
 def _to_tensor(indexes: Any) -> torch.Tensor:
     if isinstance(indexes, torch.Tensor):
+        if getattr(indexes, "is_nested", False):
+            raise GadgetTypeError("ids must be a dense (strided) tensor; got a nested tensor")
         if indexes.layout != torch.strided:
             raise GadgetTypeError(
                 f"ids must be a dense (strided) tensor; got layout {indexes.layout} "
@@ -151,7 +153,8 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
         if len(indexes) == 0:
             return torch.empty(0, dtype=torch.int64)
         try:
-            arr = np.asarray(indexes)
+            items, held = plain_items(indexes, "an id tensor in a list of ids")
+            arr = np.asarray(items)
         except ValueError as exc:  # ragged nesting
             raise GadgetTypeError(
                 f"ids must form a rectangular array of integers; got a ragged {type(indexes).__name__}"
@@ -186,7 +189,8 @@ def _to_tensor(indexes: Any) -> torch.Tensor:
                         f"{' and '.join(sorted(odd))} (Ellipsis and None are not indexes here)"
                     )
             raise GadgetTypeError(
-                f"ids must be integers; got a {type(indexes).__name__} holding {arr.dtype} values"
+                f"ids must be integers; got a {type(indexes).__name__} holding "
+                f"{dtype_name(held) if held is not None else arr.dtype} values"
             )
         if _holds_bool(indexes):  # NumPy reads [1, True] as [1, 1]
             raise GadgetTypeError(

@@ -263,6 +263,15 @@ def run(args: argparse.Namespace) -> int:
                 "with NumPy in blocks, or load it with DataGadget(path, dtype='int64'))"
                 + (f"; tables hold{kept[1]}" if len(kept) == 2 else "")
             )
+        if "pass dtype='float64', or another float dtype," in msg:
+            # the library's hint names DataGadget's dtype=, which this command does not take
+            head, _, tail = msg.partition(" (pass dtype='float64'")
+            kept = tail.split("); tables hold", 1)
+            msg = (
+                f"{head} (convert keeps the dtype; rewrite the file as float64 first, e.g. "
+                "with NumPy: np.save(new_path, np.load(path).astype('float64')))"
+                + (f"; tables hold{kept[1]}" if len(kept) == 2 else "")
+            )
         if msg.startswith("Unknown format"):
             msg = f"{msg} (--format names the source's format, --to the destination's)"
         if (

@@ -18,7 +18,7 @@ import torch
 
 from . import io as _io
 from ._device import cupy_available, resolve_device
-from ._dtypes import as_torch_dtype, c_order, dtype_name, numpy_dtype
+from ._dtypes import as_torch_dtype, c_order, dtype_name, host_tensor, numpy_dtype, plain_items
 from ._errors import (
     GadgetError,
     GadgetIndexError,
@@ -60,16 +60,17 @@ class _NotATensorError(GadgetTypeError, AttributeError):
 def as_tensor_data(data: Any, what: str = "data") -> torch.Tensor:
     """A torch tensor over ``data`` (tensor, NumPy or CuPy array) without copying where possible."""
     if isinstance(data, torch.Tensor):
-        if data.layout != torch.strided:
-            raise GadgetTypeError(f"{what} must be a dense tensor; got layout {data.layout}")
-        if data.device.type not in ("cpu", "cuda"):
-            raise GadgetTypeError(f"{what} must be on the CPU or a CUDA device; got {data.device}")
-        return data.detach()  # rows are copied in; the table never joins an autograd graph
+        return host_tensor(data, what)  # rows are copied in; never part of a graph
     if isinstance(data, (np.generic, list)):
+        want = None
+        if isinstance(data, list):
+            data, want = plain_items(data, f"a tensor in {what}")
         try:
             data = np.asarray(data)
         except ValueError as exc:
             raise GadgetTypeError(f"{what} must be rectangular; got a ragged list") from exc
+        if want is not None:
+            return torch.from_numpy(c_order(data)).to(want)
     if isinstance(data, np.ndarray):
         if not data.dtype.isnative:
             data = data.astype(data.dtype.newbyteorder("="))
@@ -88,6 +89,15 @@ def as_tensor_data(data: Any, what: str = "data") -> torch.Tensor:
     raise GadgetTypeError(
         f"{what} must be a torch tensor or a NumPy/CuPy array; got {type(data).__name__}"
     )
+
+
+def _check_generator(what: str, generator: Any) -> None:
+    """Refuse a ``generator=`` that is not a ``torch.Generator`` (or None)."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise GadgetTypeError(
+            f"{what} takes a torch.Generator (or None) for generator=; got "
+            f"{type(generator).__name__} {generator!r:.40}"
+        )
 
 
 def _on_current_store(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -1336,6 +1346,8 @@ class DataGadget:
     def _fill_value(self, value: Any) -> bool | int | float:
         """``value`` as a Python number the table's dtype holds, or an error saying why."""
         what = f"fill_ on a {dtype_name(self.dtype)} table"
+        if isinstance(value, torch.Tensor):
+            value = host_tensor(value, f"the value of {what}")
         if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
             if (value.numel() if isinstance(value, torch.Tensor) else value.size) != 1:
                 raise GadgetTypeError(
@@ -1380,6 +1392,8 @@ class DataGadget:
         largest = torch.finfo(self.dtype).max
         out = []
         for name, v in values.items():
+            if isinstance(v, torch.Tensor):
+                v = host_tensor(v, f"{what}'s {name}")
             if isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 0:
                 v = v.item()
             if isinstance(v, (bool, np.bool_)) or not isinstance(
@@ -1409,6 +1423,7 @@ class DataGadget:
         generator when None)."""
         _refuse_partial_torch_init()
         self._check_float("uniform_")
+        _check_generator("uniform_", generator)
         low, high = self._check_bounds("uniform_", low=low, high=high)
         if not low <= high:
             raise GadgetValueError(f"uniform_ needs low <= high; got low={low}, high={high}")
@@ -1427,6 +1442,7 @@ class DataGadget:
         :meth:`uniform_`."""
         _refuse_partial_torch_init()
         self._check_float("normal_")
+        _check_generator("normal_", generator)
         try:
             negative = not std >= 0  # nan too
         except (TypeError, RuntimeError, ValueError):  # not a number: the bounds check says so

@@ -9,6 +9,7 @@ import signal
 import stat
 import threading
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ __all__ = [
     "resolved_target",
     "interrupts_deferred",
     "temp_path_beside",
+    "temp_prefix",
     "replace_atomically",
     "remove_path",
 ]
@@ -31,12 +33,36 @@ def resolved_target(target: str | os.PathLike[str]) -> Path:
     return Path(os.path.realpath(t)) if t.is_symlink() else t
 
 
+def _name_max(folder: Path) -> int:
+    """The longest file name (in bytes) the file system of ``folder`` takes."""
+    try:
+        return int(os.pathconf(folder, "PC_NAME_MAX"))
+    except (OSError, ValueError, AttributeError):
+        return 255
+
+
+def temp_prefix(target: str | os.PathLike[str], tag: str = "partial") -> str:
+    """The start ``.NAME.TAG-`` of the names :func:`temp_path_beside` gives for ``target``
+    (NAME shortened where the whole name would pass the file system's limit), to find
+    the temporaries a failed write left."""
+    t = resolved_target(target)
+    # ".NAME" + ".TAG-" + "PID-XXXXXXXX": room for the widest pid (7 digits) and the tag
+    fixed = len(f"..{tag}-") + 7 + 1 + 8
+    room = _name_max(t.parent if str(t.parent) else Path(".")) - fixed
+    raw = os.fsencode(t.name)
+    # a long name keeps its start (cut at a byte: the file system stores bytes, and a
+    # cut character is kept as the same bytes by fsdecode's surrogate escapes)
+    name = t.name if len(raw) <= room else os.fsdecode(raw[: max(room, 1)])
+    return f".{name}.{tag}-"
+
+
 def temp_path_beside(target: str | os.PathLike[str], tag: str = "partial") -> Path:
     """A fresh hidden path ``.NAME.TAG-PID-XXXXXXXX`` in the target's directory (same file
-    system, so rename is atomic). A symbolic link's target is the one written (see
-    :func:`replace_atomically`)."""
+    system, so rename is atomic); NAME is shortened where the whole would pass the file
+    system's name limit (a target whose own name is near that limit). A symbolic link's
+    target is the one written (see :func:`replace_atomically`)."""
     t = resolved_target(target)
-    return t.with_name(f".{t.name}.{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return t.with_name(f"{temp_prefix(t, tag)}{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def _keep_attributes(old: Path, new: Path) -> None:
@@ -119,6 +145,16 @@ def _replace(tmp_p: Path, target_p: Path) -> None:
         except OSError:
             trash = aside
         remove_path(trash)
+        if os.path.lexists(trash):
+            # the new store is in place; the old one could not all be removed (read-only
+            # folders inside it, say): say where it is, as a save must not fill the disk
+            # with hidden copies unseen
+            warnings.warn(
+                f"{target_p} was replaced, but the old store's files could not all be "
+                f"removed; remove {trash} by hand",
+                UserWarning,
+                stacklevel=4,
+            )
     else:
         os.replace(tmp_p, target_p)
 

@@ -41,7 +41,7 @@ from .._errors import (
 )
 from .._paths import as_path
 from ..gadget import DataGadget
-from ..io._atomic import interrupts_deferred, replace_atomically
+from ..io._atomic import interrupts_deferred, replace_atomically, temp_prefix
 from ..io._chunks import save_errors
 from ..io._stream import STAGING_BYTES, blocks
 from . import _embedding
@@ -364,7 +364,7 @@ def save_checkpoint(
                 real = os.path.realpath(os.path.join(d, fname))
                 pattern = os.path.join(
                     glob.escape(os.path.dirname(real)),
-                    glob.escape(f".{os.path.basename(real)}.partial-") + "*",
+                    glob.escape(temp_prefix(real)) + "*",
                 )
                 for stray in glob.glob(pattern):  # a temporary a failed write left
                     _remove(stray)

@@ -199,8 +199,9 @@ class _OffloadedTable(nn.Module):
         #: the states of this step's rows when one forward gathered them all, with the state
         #: pager's generation then (a refill since makes them stale)
         self._prefetched: tuple[list[torch.Tensor], int] | None = None
-        #: the gradient signature of this step's last merge (see _grad_signature)
-        self._merged: tuple[Any, ...] | None = None
+        #: the plan of the rows merged into the per-step parameter by this step's last
+        #: merge (their gradient is ``param.grad`` from then on, as the user left it), or None
+        self._merged: RowPlan | None = None
         #: the state pager's layout version the state stores above were listed at
         self._state_version = 0
         #: (device, prepared transfer) of the stores a training lookup gathers
@@ -409,15 +410,9 @@ class _OffloadedTable(nn.Module):
             finish()
 
     # ---- used by OffloadedOptimizer ------------------------------------------------
-    def _grad_signature(self) -> tuple[Any, ...] | None:
-        """What this step's lookups' gradients are now (which tensors, which in-place
-        versions): a merge is redone when it changed; None when no lookup has a gradient."""
-        sig = tuple(
-            (id(rows), id(rows.grad), rows.grad._version)
-            for _, rows in self._pending
-            if rows.grad is not None
-        )
-        return sig or None
+    def _has_unmerged_grads(self) -> bool:
+        """True if a lookup of this step got gradient since the last merge (or ever)."""
+        return any(rows.grad is not None for _, rows in self._pending)
 
     def _end_step(self, cause: str = "step") -> None:
         """After the step (``cause`` "step") or before a load of the table's rows ("load"):
@@ -439,18 +434,20 @@ class _OffloadedTable(nn.Module):
     def _take_step_rows(self, sparse: bool) -> RowPlan | None:
         """Merge this step's forward calls into the per-step parameter and its gradient.
 
-        The lookups stay listed until the step ends, so a merge is redone from them when
-        a backward adds to their gradients afterwards (torch sums into each lookup's own
-        gradient; the merge then sums the lookups again, exactly as if nothing had
-        merged in between)."""
+        A merge takes the lookups' gradients over: they are cleared, so a backward after
+        it (gradient accumulation with ``param_groups`` read in between) puts only its own
+        gradient there, and the next merge adds it to ``param.grad`` as the user left it
+        (clipped or unscaled in place, replaced, or set to None), exactly as torch adds a
+        backward's gradient to a dense parameter's ``.grad``."""
         pending = [(plan, rows) for plan, rows in self._pending if rows.grad is not None]
         forward_states = self._forward_states
         _set(self, "_prefetched", None)
         param = self._slot.param
-        if not pending:
+        base = self._merged_rows()
+        if not pending and base is None:
             param.grad = None
             return None
-        if len(pending) == 1:
+        if len(pending) == 1 and base is None:
             plan, rows = pending[0]
             # one forward gathered exactly this step's rows: its state rows are current
             # unless the state tables were refilled or grew since (see StatePager.follow_hyper)
@@ -459,8 +456,9 @@ class _OffloadedTable(nn.Module):
                 _set(self, "_prefetched", got)  # (states, pager generation when gathered)
             data, grad = rows.detach(), rows.grad
         else:
-            # several lookups this step: merge their rows (their counts read back)
-            parts = []
+            # several lookups this step, or gradient merged before: merge the rows (their
+            # counts read back)
+            parts = [] if base is None else [base]
             for plan, rows in pending:
                 k = plan.num_rows if plan.n_distinct is None else exact_plan(plan).num_rows
                 assert rows.grad is not None
@@ -478,7 +476,16 @@ class _OffloadedTable(nn.Module):
                 data.index_copy_(0, where, data_k)
                 wheres.append(where)
             grads = [grad_k for _, _, grad_k in parts]
-            grad = _sum_lookups(self._passes(pending), wheres, grads, data)
+            if base is None:
+                grad = _sum_lookups(self._passes(pending), wheres, grads, data)
+            else:
+                # the merged gradient first, then this backward's sum added to it (rows it
+                # did not reach add zero), as torch accumulates into a dense .grad
+                grad = torch.zeros_like(data)
+                grad.index_copy_(0, wheres[0], grads[0])
+                if pending:
+                    new = _sum_lookups(self._passes(pending), wheres[1:], grads[1:], data)
+                    grad.add_(new)
             plan = RowPlan(uniq, inverse, ((all_ids.numel(),),), True)
         assert grad is not None
         param.data = data
@@ -490,13 +497,37 @@ class _OffloadedTable(nn.Module):
             )
         else:
             param.grad = grad
+        # the lookups' gradients are the parameter's now
+        for _, rows in pending:
+            rows.grad = None
+        self._arrivals.clear()
+        _set(self, "_merged", plan)
         return plan
+
+    def _merged_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The rows merged before in this step (ids, values, gradient as ``param.grad``
+        holds it now), or None where nothing was merged or the gradient was set to None."""
+        plan = self._merged
+        param = self._slot.param
+        grad = param.grad
+        if plan is None or grad is None:
+            return None
+        k = plan.num_rows if plan.n_distinct is None else exact_plan(plan).num_rows
+        data = param.detach()
+        if grad.is_sparse:  # (torch keeps a .grad the parameter's shape and dtype)
+            grad = grad.to_dense()
+        return plan.ids[:k], data[:k], grad[:k]
+
+    def _step_plan(self) -> RowPlan | None:
+        """The rows this step updates when no backward came since the last merge: the
+        merged ones, unless their gradient was set to None since."""
+        return self._merged if self._slot.param.grad is not None else None
 
     def _blocks_load(self) -> bool:
         """Before the table's rows are replaced: True if a lookup with a gradient waits for its
         step (the step would write the rows it read over the load). Lookups without a
         gradient are retired now (a gradient reaching them later is reported as late)."""
-        if any(rows.grad is not None for _, rows in self._pending):
+        if self._has_pending_grads():
             return True
         if self._pending:
             self._end_step("load")
@@ -522,7 +553,8 @@ class _OffloadedTable(nn.Module):
             )
 
     def _has_pending_grads(self) -> bool:
-        return any(rows.grad is not None for _, rows in self._pending)
+        """True if a lookup of this step has gradient: unmerged, or merged before."""
+        return self._merged is not None or self._has_unmerged_grads()
 
     def _passes(self, pending: list[tuple[RowPlan, torch.Tensor]]) -> list[list[int]] | None:
         """The lookups of ``pending`` (indices) by backward pass: lookups in the order their
@@ -1357,8 +1389,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         indexing) after a backward (``GradScaler.unscale_`` / ``GradScaler.step``, gradient
         clipping over ``[p for g in opt.param_groups for p in g["params"]]``), so those see,
         unscale and check the tables' gradients like any other. A backward after a merge
-        (gradient accumulation with the groups read between micro-batches) is merged in
-        at the next merge: the sums equal accumulating first.
+        (gradient accumulation with the groups read between micro-batches) adds its
+        gradient to ``.grad`` as it is then (clipped, scaled, replaced or set to None), as
+        torch does for a dense parameter.
         """
         _set(self, "_preparing", True)
         try:
@@ -1370,20 +1403,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._finish_checks()
         for m in self.tables:
             m._check_retired()
-        old = self._prepared or [None] * len(self.tables)
         plans: list[RowPlan | None] = []
-        for m, before in zip(self.tables, old, strict=True):
-            sig = m._grad_signature()
-            if sig is None:  # no gradient for this table (yet)
-                plans.append(None)
-                continue
-            if before is not None and sig == m._merged:
-                plans.append(before)  # merged already, and nothing changed since
+        for m in self.tables:
+            if not m._has_unmerged_grads():
+                # no gradient since the last merge (if any): the merged rows, as they are
+                plans.append(m._step_plan())
                 continue
             # a first merge, or a backward added gradients after the last one (gradient
-            # accumulation with the groups read in between): merge this step's lookups
+            # accumulation with the groups read in between): merge them in
             plans.append(m._take_step_rows(self._sparse))
-            _set(m, "_merged", m._grad_signature())
         self._prepared = plans
 
     @torch.no_grad()
@@ -1692,6 +1720,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if self._preparing:
             return
         for m in self.tables:
-            if m._pending and m._has_pending_grads():
+            if m._pending and m._has_unmerged_grads():
                 self.prepare_grads()
                 return

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import os
 import re
 import weakref
@@ -318,7 +319,10 @@ def probe_state(
     Runs one step of a fresh optimizer of the same class and hyper-parameters on a
     one-row zero parameter with a zero gradient, on ``param``'s device and dtype (or
     ``dtype``: the one the parameter has while it is paged), and records state entries
-    as torch creates them. The user's optimizer is not touched.
+    as torch creates them. The user's optimizer is not touched. A class from outside
+    ``torch.optim`` is probed a second time with other parameter values: a row state
+    that starts from them (``state['avg'] = p.clone()``) cannot be made for a row
+    before it is read, and is refused with :class:`~gadgetloader.GadgetTypeError`.
     """
     name = supported_name(optimizer)
     cls = type(optimizer)
@@ -329,12 +333,6 @@ def probe_state(
         raise GadgetValueError(
             f"a paged parameter needs a row axis; got shape {tuple(param.shape)}"
         )
-    probe = torch.zeros(
-        (1, *param.shape[1:]),
-        dtype=dtype if dtype is not None else param.dtype,
-        device=param.device,
-        requires_grad=True,
-    )
     if hyper.get("differentiable"):
         raise GadgetTypeError(
             f"{cls.__name__}(differentiable=True) cannot be paged: paged rows are updated in "
@@ -348,6 +346,66 @@ def probe_state(
         # torch's Adagrad fills every group's `sum` from its constructor's value and
         # ignores a group's own
         kwargs["initial_accumulator_value"] = defaults["initial_accumulator_value"]
+    sparse = name == "SparseAdam"
+    shape = (1, *param.shape[1:])
+    pdtype = dtype if dtype is not None else param.dtype
+    probe = torch.zeros(shape, dtype=pdtype, device=param.device, requires_grad=True)
+    state, first = _probe_step(cls, probe, kwargs, own, hyper, sparse)
+    if not cls.__module__.startswith("torch.optim"):
+        # a class of the user's own may start a state from the parameter's values (an
+        # average of the weights, say): a second probe with other values shows it
+        n = math.prod(shape)
+        values = torch.linspace(0.5, 1.5, n, dtype=torch.float64).to(pdtype).to(param.device)
+        other = values.view(shape).clone().requires_grad_(True)
+        _, first_other = _probe_step(cls, other, kwargs, own, hyper, sparse)
+        for key, value in first.items():
+            if key == "momentum_buffer" or not (
+                isinstance(value, torch.Tensor) and tuple(value.shape) == shape
+            ):
+                # (SGD's buffer starts as the first step's gradient, weight decay included,
+                # which a zero buffer reproduces)
+                continue
+            b = first_other.get(key)
+            if isinstance(b, torch.Tensor) and not torch.equal(value, b):
+                raise GadgetTypeError(
+                    f"{cls.__name__} starts its state {key!r} from the parameter's values, "
+                    "which cannot be paged (a row's state is made before its values are "
+                    "read); start it from a constant, as torch's optimizers do, or train "
+                    f"with one of {', '.join(SUPPORTED_OPTIMIZERS)}"
+                )
+    row_keys: list[str] = []
+    init_rows: dict[str, torch.Tensor] = {}
+    init_scalars: dict[str, Any] = {}
+    for key, value in state.items():
+        first_value = first.get(key, value)
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(probe.shape):
+            row_keys.append(key)
+            init_rows[key] = (
+                first_value.detach().clone()
+                if isinstance(first_value, torch.Tensor)
+                else torch.zeros_like(value)
+            )
+        elif not isinstance(value, torch.Tensor) or value.dim() == 0:
+            init_scalars[key] = _snapshot(first_value)
+        else:
+            raise GadgetTypeError(
+                f"{cls.__name__} keeps state {key!r} of shape {tuple(value.shape)} for a parameter "
+                f"of shape {tuple(probe.shape)}; only row-shaped and scalar state can be paged "
+                f"(supported: {', '.join(SUPPORTED_OPTIMIZERS)})"
+            )
+    return StateLayout(tuple(row_keys), init_rows, init_scalars, sparse)
+
+
+def _probe_step(
+    cls: type,
+    probe: torch.Tensor,
+    kwargs: dict[str, Any],
+    own: Mapping[str, Any],
+    hyper: dict[str, Any],
+    sparse: bool,
+) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    """One step of a fresh ``cls`` on the one-row ``probe`` with a zero gradient: its
+    state after the step, and each entry's value when it was first set."""
     try:
         probe_opt = _build_probe(cls, probe, kwargs, own)
     except Exception as exc:
@@ -364,15 +422,12 @@ def probe_state(
         rec[k] = v
     rec.first.update(before)
     probe_opt.state = recording
-    sparse = name == "SparseAdam"
-    zero = torch.zeros_like(probe)
+    zero = torch.zeros_like(probe).detach()
     if sparse:
-        idx = torch.zeros((1, 1), dtype=torch.int64, device=param.device)
-        probe.grad = torch.sparse_coo_tensor(
-            idx, zero.detach(), probe.shape, check_invariants=False
-        )
+        idx = torch.zeros((1, 1), dtype=torch.int64, device=probe.device)
+        probe.grad = torch.sparse_coo_tensor(idx, zero, probe.shape, check_invariants=False)
     else:
-        probe.grad = zero.detach()
+        probe.grad = zero
     try:
         with _no_global_step_hooks():
             probe_opt.step()
@@ -381,28 +436,8 @@ def probe_state(
             f"{cls.__name__} with these options failed a step on a one-row probe of the "
             f"table, so its state cannot be paged ({type(exc).__name__}: {exc})"
         ) from exc
-    state = probe_opt.state[probe]
-    row_keys: list[str] = []
-    init_rows: dict[str, torch.Tensor] = {}
-    init_scalars: dict[str, Any] = {}
-    for key, value in state.items():
-        first = rec.first.get(key, value)
-        if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(probe.shape):
-            row_keys.append(key)
-            init_rows[key] = (
-                first.detach().clone()
-                if isinstance(first, torch.Tensor)
-                else torch.zeros_like(value)
-            )
-        elif not isinstance(value, torch.Tensor) or value.dim() == 0:
-            init_scalars[key] = _snapshot(first)
-        else:
-            raise GadgetTypeError(
-                f"{cls.__name__} keeps state {key!r} of shape {tuple(value.shape)} for a parameter "
-                f"of shape {tuple(probe.shape)}; only row-shaped and scalar state can be paged "
-                f"(supported: {', '.join(SUPPORTED_OPTIMIZERS)})"
-            )
-    return StateLayout(tuple(row_keys), init_rows, init_scalars, sparse)
+    state = dict(probe_opt.state[probe])
+    return state, {k: rec.first.get(k, v) for k, v in state.items()}
 
 
 @contextlib.contextmanager
