@@ -282,7 +282,9 @@ def test_zarr_save_removes_the_old_store_under_a_trash_name(tmp_path, monkeypatc
 
     monkeypatch.setattr(_atomic, "remove_path", keep)
     new = np.arange(18, dtype=np.float32).reshape(6, 3)
-    DataGadget(new, placement="cpu").save(str(target))
+    # (the entry left is named in a warning: see test_session46_fixes)
+    with pytest.warns(UserWarning, match=r"could not all be removed; remove .*\.t\.zarr\.trash-"):
+        DataGadget(new, placement="cpu").save(str(target))
     assert len(removed) == 1 and removed[0].startswith(".t.zarr.trash-"), removed
     names = os.listdir(tmp_path)
     assert not [n for n in names if ".old-" in n], names

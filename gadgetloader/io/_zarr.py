@@ -569,12 +569,14 @@ class ZarrSink(ArraySink):
                     self._arr = root.create_array(dataset, **kwargs)
                 else:
                     self._arr = zarr.create_array(store=store, **kwargs)
+            self._aligner = ChunkAligner(
+                self._write_raw, self.shape[0], self.chunk_rows, self.shape[1:], npd
+            )
         except BaseException:
+            # (anything raised here, an interrupt too, leaves no partial store: the caller
+            # has no sink to abort)
             self.abort()
             raise
-        self._aligner = ChunkAligner(
-            self._write_raw, self.shape[0], self.chunk_rows, self.shape[1:], npd
-        )
 
     def _write_raw(self, start: int, rows: np.ndarray) -> None:
         # zarr writes on its own event-loop thread: an interrupt (Ctrl-C) while this thread
