@@ -180,7 +180,8 @@ def plain_items(seq: list[Any] | tuple[Any, ...], what: str) -> tuple[Any, torch
         if isinstance(x, (list, tuple)):
             return [walk(v) for v in x]
         if isinstance(x, torch.Tensor):
-            t = host_tensor(x, what).cpu()
+            # (a view with its negation or conjugation pending is made plain for NumPy)
+            t = host_tensor(x, what).cpu().resolve_conj().resolve_neg()
             kinds.add(t.dtype)
             return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
         kinds.add(type(x))

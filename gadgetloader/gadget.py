@@ -1296,6 +1296,8 @@ class DataGadget:
                 f"init_ takes a function that fills a tensor in place (e.g. "
                 f"torch.nn.init.xavier_uniform_); got {type(fn).__name__} {fn!r:.60}"
             )
+        if "generator" in kwargs:  # (torch's initializers take one)
+            _check_generator("init_", kwargs["generator"])
         self._check_no_waiting_lookup("filling this table")
         try:
             self._store.apply_(fn, *args, **kwargs)

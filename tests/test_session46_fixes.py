@@ -129,6 +129,36 @@ def test_sparse_adam_keeps_in_place_scaling_between_backward_passes(placement):
 
 
 @pytest.mark.parametrize("placement", MEMORY_PLACEMENTS)
+def test_passes_after_a_merge_add_to_the_gradient_in_turn(placement):
+    # a dense .grad gets (merged + pass 2) + pass 3, which rounds differently from
+    # merged + (pass 2 + pass 3): SGD's result is bit-identical to the dense one
+    torch.manual_seed(0)
+    w0 = torch.randn(N, 64)
+    emb = gl.OffloadedEmbedding(N, 64, placement=placement, device=DEVICE)
+    emb.weight.insertData(w0.clone(), torch.arange(N))
+    ref = torch.nn.Embedding(N, 64, _weight=w0.to(DEVICE).clone())
+    opt = gl.OffloadedOptimizer(torch.optim.SGD, emb, lr=1.0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1.0)
+    ids = torch.tensor([3, 5], device=DEVICE)
+    targets = [torch.randn(2, 64, device=DEVICE) * s for s in (1e3, 1.0, 1e-3)]
+    a, b, c = (t.cpu() for t in targets)
+    assert not torch.equal((a + b) + c, a + (b + c))  # the orders differ here
+    for n, t in enumerate(targets):
+        (emb(ids) * t).sum().backward()
+        (ref(ids) * t).sum().backward()
+        if n == 0:
+            assert opt.param_groups[0]["lr"] == 1.0  # reading the groups merges
+    opt.step()
+    ref_opt.step()
+    torch.testing.assert_close(
+        torch.as_tensor(emb.weight[torch.arange(N)]).cpu(),
+        ref.weight.detach().cpu(),
+        rtol=0,
+        atol=0,
+    )
+
+
+@pytest.mark.parametrize("placement", MEMORY_PLACEMENTS)
 def test_merge_then_zero_grad_leaves_nothing_to_step(placement):
     (emb, opt), _ = _pair(placement, torch.optim.SGD, lr=0.5)
     emb(torch.tensor([1, 2], device=DEVICE)).sum().add(
@@ -174,6 +204,17 @@ class _MySGD(torch.optim.SGD):
     pass
 
 
+class _ScaledMomentumSGD(torch.optim.SGD):
+    """SGD whose momentum buffer starts from the parameter (not the gradient)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].setdefault("momentum_buffer", p.detach().clone() * 5)
+        return super().step(closure)
+
+
 @pytest.mark.parametrize("placement", MEMORY_PLACEMENTS)
 def test_state_started_from_the_parameter_is_refused(placement):
     emb = gl.OffloadedEmbedding(N, D, placement=placement, device=DEVICE)
@@ -199,6 +240,13 @@ def test_subclass_state_from_constants_trains_like_the_dense_reference(placement
     (pager,) = opt.pagers
     avg = torch.as_tensor(pager.tables["avg"][torch.tensor([3, 4])]).cpu()
     torch.testing.assert_close(avg, ref_opt.state[ref.weight]["avg"][[3, 4]].cpu())
+
+
+@pytest.mark.parametrize("placement", MEMORY_PLACEMENTS)
+def test_sgd_momentum_buffer_started_from_the_parameter_is_refused(placement):
+    emb = gl.OffloadedEmbedding(N, D, placement=placement, device=DEVICE)
+    with pytest.raises(gl.GadgetTypeError, match=r"starts its state 'momentum_buffer' from"):
+        gl.OffloadedOptimizer(_ScaledMomentumSGD, emb, lr=0.1, momentum=0.9)
 
 
 @pytest.mark.parametrize("placement", MEMORY_PLACEMENTS)
@@ -264,8 +312,9 @@ def test_replacing_a_zarr_store_warns_when_the_old_one_stays(tmp_path, monkeypat
     # the old store's files cannot be removed (read-only folders, for a user who is not
     # root): the removal leaves them
     monkeypatch.setattr(_atomic, "remove_path", lambda p: None)
-    with pytest.warns(UserWarning, match=r"could not all be removed; remove .*\.trash-"):
+    with pytest.warns(UserWarning, match=r"could not all be removed; remove .*\.trash-") as got:
         gl.DataGadget(torch.ones(N, D), placement="cpu", device="cpu").save(path)
+    assert got[0].filename == __file__  # the warning points at the caller's save
     back = gl.DataGadget(path, placement="cpu", device="cpu")
     assert torch.equal(torch.as_tensor(back[torch.arange(N)]), torch.ones(N, D))
     assert any(n.startswith(".t.zarr.trash-") for n in os.listdir(tmp_path))
@@ -329,6 +378,18 @@ def test_lists_of_float_id_tensors_are_refused_by_name(tmp_path, placement, ids,
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
+def test_list_holding_a_negated_view_writes_its_values(tmp_path, placement):
+    g, data = _gadget(tmp_path, placement)
+    c = torch.tensor([1 + 2j, 3 - 4j, -5 + 0.5j], dtype=torch.complex64)
+    neg = c.conj().imag  # a view with its negation pending
+    assert neg.is_neg()
+    g[[2, 3]] = [neg, torch.zeros(3)]
+    data[2] = [-2.0, 4.0, -0.5]
+    data[3] = 0.0
+    np.testing.assert_array_equal(_rows(g), data)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
 def test_list_of_int_tensors_reads_the_rows(tmp_path, placement):
     g, data = _gadget(tmp_path, placement)
     got = g[[torch.tensor(4), torch.tensor(1)]]
@@ -377,6 +438,8 @@ def test_generator_that_is_not_a_torch_generator_is_refused(tmp_path, placement,
     g, data = _gadget(tmp_path, placement)
     with pytest.raises(gl.GadgetTypeError, match=f"{method} takes a torch.Generator"):
         getattr(g, method)(0.0, 1.0, generator=gen)
+    with pytest.raises(gl.GadgetTypeError, match="init_ takes a torch.Generator"):
+        g.init_(getattr(torch.nn.init, method), generator=gen)
     np.testing.assert_array_equal(_rows(g), data)
 
 

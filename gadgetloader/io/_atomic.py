@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+from .._device import user_stacklevel
 from .._errors import GadgetError, GadgetFileError, ReadOnlyError
 
 __all__ = [
@@ -153,7 +154,7 @@ def _replace(tmp_p: Path, target_p: Path) -> None:
                 f"{target_p} was replaced, but the old store's files could not all be "
                 f"removed; remove {trash} by hand",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
     else:
         os.replace(tmp_p, target_p)

@@ -479,13 +479,11 @@ class _OffloadedTable(nn.Module):
             if base is None:
                 grad = _sum_lookups(self._passes(pending), wheres, grads, data)
             else:
-                # the merged gradient first, then this backward's sum added to it (rows it
-                # did not reach add zero), as torch accumulates into a dense .grad
-                grad = torch.zeros_like(data)
-                grad.index_copy_(0, wheres[0], grads[0])
-                if pending:
-                    new = _sum_lookups(self._passes(pending), wheres[1:], grads[1:], data)
-                    grad.add_(new)
+                # the merged gradient first, then each backward pass's sum added to it in
+                # turn (rows a pass did not reach add zero), as torch accumulates a dense .grad
+                start = torch.zeros_like(data)
+                start.index_copy_(0, wheres[0], grads[0])
+                grad = _sum_lookups(self._passes(pending), wheres[1:], grads[1:], data, start)
             plan = RowPlan(uniq, inverse, ((all_ids.numel(),),), True)
         assert grad is not None
         param.data = data
@@ -994,6 +992,7 @@ def _sum_lookups(
     wheres: list[torch.Tensor],
     grads: list[torch.Tensor],
     like: torch.Tensor,
+    start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The step's gradient of several lookups: lookup ``k``'s rows ``grads[k]`` go to the
     step's rows ``wheres[k]``. Summed in the order torch's autograd sums the gradients of
@@ -1001,13 +1000,14 @@ def _sum_lookups(
     backward pass, the first to arrive as it is and each later one added to it; the pass's
     sum added to the gradient of the passes before it in ``passes`` (the order they
     finished: see :meth:`_OffloadedTable._passes`). ``passes`` None (unknown order): in
-    the order of the lookups, from zero."""
+    the order of the lookups, from zero. ``start``: the gradient merged before (written
+    into), to which the passes are added in turn."""
     if passes is None:
-        total = torch.zeros_like(like)
+        total = torch.zeros_like(like) if start is None else start
         for k, grad in enumerate(grads):
             total.index_add_(0, wheres[k], grad)
         return total
-    out: torch.Tensor | None = None
+    out: torch.Tensor | None = start
     for lookups in passes:
         buf = torch.zeros_like(like)
         for n, k in enumerate(lookups):

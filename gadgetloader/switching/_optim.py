@@ -359,13 +359,15 @@ def probe_state(
         other = values.view(shape).clone().requires_grad_(True)
         _, first_other = _probe_step(cls, other, kwargs, own, hyper, sparse)
         for key, value in first.items():
-            if key == "momentum_buffer" or not (
-                isinstance(value, torch.Tensor) and tuple(value.shape) == shape
-            ):
-                # (SGD's buffer starts as the first step's gradient, weight decay included,
-                # which a zero buffer reproduces)
+            if not (isinstance(value, torch.Tensor) and tuple(value.shape) == shape):
                 continue
             b = first_other.get(key)
+            if key == "momentum_buffer" and issubclass(cls, torch.optim.SGD):
+                # SGD's buffer starts as the first step's gradient, weight decay included
+                # (a zero buffer reproduces that): here the decay's share of the parameter
+                decay = float(hyper.get("weight_decay", 0) or 0)
+                start = values.view(shape)  # (the probe's values before its step)
+                value = torch.zeros_like(start).add_(start, alpha=decay)
             if isinstance(b, torch.Tensor) and not torch.equal(value, b):
                 raise GadgetTypeError(
                     f"{cls.__name__} starts its state {key!r} from the parameter's values, "
