@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ._errors import GadgetTypeError
+from ._errors import GadgetTypeError, GadgetValueError
 
 __all__ = ["as_path"]
 
@@ -34,6 +34,10 @@ def as_path(path: Any, what: str = "path") -> str:
         except TypeError:  # an __fspath__ that returns neither str nor bytes
             p = None
         if isinstance(p, str):
+            if "\0" in p:  # (the OS's own refusal is a bare ValueError)
+                raise GadgetValueError(
+                    f"{what} must not contain a NUL character (no file name can); got {p!r:.80}"
+                )
             return p
         if isinstance(p, bytes):  # an os.PathLike whose __fspath__ gives bytes
             raise GadgetTypeError(

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -480,3 +481,109 @@ def test_float128_file_message_says_how_to_rewrite_it(tmp_path):
     assert "convert keeps the dtype; rewrite the file as float64 first" in out.stderr
     assert "dtype=" not in out.stderr
     assert not os.path.exists(tmp_path / "o.h5")
+
+
+# ----------------------------------------------------------------------------- second review
+def _model_and_opt(placement):
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict(
+        {
+            "e": gl.OffloadedEmbedding(50, 4, placement=placement, device=DEVICE),
+            "l": torch.nn.Linear(4, 1).to(DEVICE),
+        }
+    )
+    opt = gl.OffloadedOptimizer(torch.optim.Adam, model, lr=1e-2)
+
+    def step():
+        ids = torch.randint(0, 50, (8,), device=DEVICE)
+        opt.zero_grad()
+        model["l"](model["e"](ids)).sum().backward()
+        opt.step()
+
+    step()
+    return model, opt, step
+
+
+@pytest.mark.parametrize("placement", MEMORY_PLACEMENTS)
+@pytest.mark.parametrize(
+    "option, value, error",
+    [
+        ("differentiable", True, "differentiable=True\\) cannot be paged"),
+        ("betas", (0.9,), "expected 2 values"),
+        ("betas", (2.0, 2.0), "could not build a Adam like the given one"),
+        ("weight_decay", -1.0, "could not build a Adam like the given one"),
+        ("amsgrad", "yes", "expected True or False"),
+    ],
+)
+def test_optimizer_state_dict_with_options_the_constructor_refuses(placement, option, value, error):
+    model, opt, step = _model_and_opt(placement)
+    good = opt.state_dict()
+    bad = copy.deepcopy(good)
+    bad["inner"]["param_groups"][0][option] = value
+    rows = _rows(model["e"].weight).copy()
+    with pytest.raises(gl.GadgetError, match=f"the state dict.*{error}"):
+        opt.load_state_dict(bad)
+    np.testing.assert_array_equal(_rows(model["e"].weight), rows)
+    assert opt.param_groups[0][option] == good["inner"]["param_groups"][0][option]
+    opt.load_state_dict(good)  # the optimizer takes its own state and steps on
+    step()
+    assert not np.array_equal(_rows(model["e"].weight), rows)
+
+
+@pytest.mark.parametrize("placement", MEMORY_PLACEMENTS)
+@pytest.mark.parametrize(
+    "tables", [None, 1, [{0: torch.zeros(50, 4)}]], ids=["none", "int", "intkey"]
+)
+def test_optimizer_state_dict_with_malformed_tables(placement, tables):
+    model, opt, _ = _model_and_opt(placement)
+    sd = opt.state_dict()
+    sd["tables"] = tables
+    with pytest.raises(gl.GadgetValueError, match="state_dict|state tables"):
+        opt.load_state_dict(sd)
+
+
+def test_optimizer_options_torch_refuses_with_an_index_error():
+    emb = gl.OffloadedEmbedding(5, 2, placement="cpu", device="cpu")
+    with pytest.raises(gl.GadgetValueError, match=r"Adam refused the options \['betas'\]"):
+        gl.OffloadedOptimizer(torch.optim.Adam, emb, betas=(0.9,))
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("ext", [".npy", ".h5", ".zarr"])
+def test_save_names_no_file_system_takes(tmp_path, placement, ext, monkeypatch):
+    pytest.importorskip("zarr")
+    g, data = _gadget(tmp_path, placement)
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(gl.GadgetValueError, match="must not contain a NUL"):
+        g.save("a\0b" + ext)
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    with pytest.raises(gl.GadgetFileError, match=f"takes names of at most {limit} bytes"):
+        g.save("a" * (limit + 1 - len(ext)) + ext)
+    with pytest.raises(gl.GadgetValueError, match="needs a file"):
+        g.save(".", format=ext[1:].replace("h5", "hdf5"))
+    assert sorted(os.listdir(tmp_path)) == before
+    np.testing.assert_array_equal(_rows(g), data)
+
+
+def test_checkpoint_object_name_too_long_for_a_file(tmp_path):
+    emb = gl.OffloadedEmbedding(4, 2, placement="cpu", device="cpu")
+    with pytest.raises(gl.GadgetValueError, match="give the object a shorter name"):
+        gl.save_checkpoint(str(tmp_path / "ck"), {"m" * 300: emb})
+    assert not os.path.exists(tmp_path / "ck")  # refused before the directory is made
+    with pytest.raises(gl.GadgetValueError, match="must not contain a NUL"):
+        gl.save_checkpoint(str(tmp_path / "c\0k"), {"m": emb})
+
+
+@pytest.mark.parametrize("placement", MEMORY_PLACEMENTS)
+@pytest.mark.parametrize(
+    "weight",
+    [lambda: torch.ones(10, 4, device="meta"), lambda: torch.ones(10, 4).to_sparse()],
+    ids=["meta", "sparse"],
+)
+def test_module_load_state_dict_with_a_tensor_without_dense_values(placement, weight):
+    emb = gl.OffloadedEmbedding(10, 4, placement=placement, device=DEVICE)
+    rows = _rows(emb.weight).copy()
+    with pytest.raises(RuntimeError, match=r"(?s)Error\(s\) in loading state_dict.*dense tensor"):
+        emb.load_state_dict({"weight": weight()})
+    np.testing.assert_array_equal(_rows(emb.weight), rows)

@@ -128,6 +128,21 @@ def check_sink_target(path: Path, shape: tuple[int, ...], store: str = "file") -
             f"cannot save {path}: the table has zero rows {tuple(shape)}, and a zero-row file "
             "cannot be loaded back"
         )
+    name = os.path.basename(os.path.normpath(path))
+    if name in ("", ".", ".."):
+        raise GadgetValueError(
+            f"cannot save to {path}: a save needs a file (or zarr store) name, not a folder "
+            "reached by '.' or '..'"
+        )
+    try:
+        limit = int(os.pathconf(path.parent if str(path.parent) else ".", "PC_NAME_MAX"))
+    except (OSError, ValueError):
+        limit = 255
+    if len(os.fsencode(name)) > limit:
+        raise GadgetFileError(
+            f"cannot save to {path}: its name is {len(os.fsencode(name))} bytes long; the file "
+            f"system takes names of at most {limit} bytes"
+        )
     if not path.parent.exists():
         raise GadgetFileNotFoundError(
             f"directory {path.parent} does not exist (saving {path})", path.parent

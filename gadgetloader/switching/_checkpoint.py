@@ -305,6 +305,14 @@ def save_checkpoint(
                     f"{fname!r}; rename one of the objects"
                 )
             seen[fname] = key
+    for (name, tname), fname in names.items():
+        # (a save also writes a hidden temporary beside each file, its name cut to fit)
+        if len(os.fsencode(fname)) > 255:
+            raise GadgetValueError(
+                f"save_checkpoint: object {name!r} (table {tname!r}) makes the file name "
+                f"{fname[:40]!r}... of {len(os.fsencode(fname))} bytes; file systems take at "
+                "most 255: give the object a shorter name"
+            )
     for _, tables, _ in parts.values():
         for table in tables.values():
             table.store.check_open()  # a closed table: refused before the directory exists
@@ -837,6 +845,7 @@ def load_checkpoint(
             if meta.get("optimizer") is None:  # written before the class was recorded
                 obj._check_untagged(meta["inner"], f"checkpoint object {name!r}")
             obj.check_inner_state(meta["inner"], f"checkpoint object {name!r}")
+            obj._probe_saved_groups(meta["inner"], f"checkpoint object {name!r}")
         _refuse_mid_step(name, obj, "loading")
         files = {t: os.path.join(d, f) for t, f in entry["tables"].items()}
         for tname, path in files.items():

@@ -34,11 +34,13 @@ from ..stores._base import gather_many as gather_stores
 from . import _graphs as _captured
 from ._optim import (
     StatePager,
+    _filled_groups,
     check_optimizer_kind,
     check_optimizer_state,
     keep_saved_scalar_dtypes,
     optimizer_kind,
     optimizer_tags,
+    probe_state,
     supported_name,
 )
 from ._rows import RowPlan, exact_plan, plan_rows, plan_rows_async
@@ -651,6 +653,11 @@ class _OffloadedTable(nn.Module):
             elif not isinstance(t, torch.Tensor):
                 error_msgs.append(
                     f"{key}: expected a tensor or NumPy array, got {type(t).__name__}"
+                )
+            elif t.layout != torch.strided or t.device.type not in ("cpu", "cuda"):
+                error_msgs.append(
+                    f"{key}: expected a dense tensor with values, got a {t.layout} tensor on "
+                    f"{t.device}"
                 )
             elif not (t.is_floating_point() or t.dtype == self.table.dtype):
                 error_msgs.append(f"{key}: expected floating-point values, got {t.dtype}")
@@ -1281,7 +1288,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             groups.append({"params": plain + [m._slot.param for m in rest_tables]})
         try:
             self.inner = optimizer_class(groups, **kwargs)
-        except (TypeError, ValueError) as exc:  # torch's own checks of lr=, betas=, ...
+        except (TypeError, ValueError, IndexError, KeyError) as exc:  # torch's own checks
+            # of lr=, betas=, ... (a betas of one number fails with an IndexError)
             if isinstance(exc, GadgetError):
                 raise
             error = GadgetTypeError if isinstance(exc, TypeError) else GadgetValueError
@@ -1581,21 +1589,34 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 f"expected an OffloadedOptimizer state_dict (a dict) for {len(self.pagers)} "
                 f"offloaded tables; got {type(state_dict).__name__}"
             )
-        if not {"inner", "tables"} <= set(state_dict) <= {
-            "inner",
-            "tables",
-            "optimizer",
-            "optimizer_base",
-        } or len(state_dict["tables"]) != len(self.pagers):
+        if (
+            not {"inner", "tables"}
+            <= set(state_dict)
+            <= {
+                "inner",
+                "tables",
+                "optimizer",
+                "optimizer_base",
+            }
+            or not isinstance(state_dict["tables"], (list, tuple))
+            or len(state_dict["tables"]) != len(self.pagers)
+        ):
             keys = sorted(state_dict, key=str)
+            tables = state_dict.get("tables")
             raise GadgetValueError(
-                f"expected an OffloadedOptimizer state_dict for {len(self.pagers)} offloaded tables; "
-                f"got keys {keys}"
+                f"expected an OffloadedOptimizer state_dict for {len(self.pagers)} offloaded tables "
+                f"(keys 'inner' and 'tables', a list of one dict per table); got keys {keys}"
+                + (
+                    f" and 'tables' a {type(tables).__name__}"
+                    if not isinstance(tables, (list, tuple))
+                    else f" and {len(tables)} tables"
+                )
             )
         check_optimizer_kind(state_dict, self.inner, "the state dict")
         if state_dict.get("optimizer") is None:
             self._check_untagged(state_dict.get("inner"), "the state dict")
         self.check_inner_state(state_dict["inner"], "the state dict")
+        self._probe_saved_groups(state_dict["inner"], "the state dict")
         # check everything before writing anything: a bad state dict changes nothing
         for pager in self.pagers:
             pager.follow_hyper()  # state a scheduler turned on since construction has its table
@@ -1609,7 +1630,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 or not set(pager.tables) <= set(tables)
                 or not set(tables) - set(pager.tables) <= pager.extra_keys_allowed(saved_groups)
             ):
-                got = sorted(tables) if isinstance(tables, dict) else type(tables).__name__
+                got = sorted(tables, key=str) if isinstance(tables, dict) else type(tables).__name__
                 raise GadgetValueError(
                     f"state tables {got} do not match this optimizer's {sorted(pager.tables)} "
                     "(plus what its saved hyper-parameters would turn on)"
@@ -1649,6 +1670,20 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             table.store.synchronize()
         for pager in self.pagers:
             pager.mark_loaded()
+
+    def _probe_saved_groups(self, sd: dict[str, Any], what: str) -> None:
+        """Refuse saved group options the constructor would refuse for an offloaded table
+        (``differentiable=True``, options with which a step fails): each table's saved
+        group is probed as its group was when the optimizer was made."""
+        own = list(list.__iter__(self.inner.param_groups))
+        saved = _filled_groups(self.inner, list(sd["param_groups"]))
+        for m, pager in zip(self.tables, self.pagers, strict=True):
+            n = next(k for k, g in enumerate(own) if any(p is m._slot.param for p in g["params"]))
+            hyper = {k: v for k, v in dict(saved[n]).items() if k != "params"}
+            try:
+                probe_state(self.inner, m._slot.param, hyper=hyper, dtype=pager._param_dtype)
+            except GadgetError as exc:
+                raise type(exc)(f"{what}: saved parameter group {n}: {exc}") from exc
 
     def check_inner_state(self, sd: Any, what: str) -> None:
         """Refuse a saved inner (torch) optimizer state ``sd`` (a torch optimizer's

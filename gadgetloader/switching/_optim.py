@@ -187,6 +187,16 @@ def check_optimizer_state(
             )
         for k, v in own.items():
             new = saved.get(k)
+            if isinstance(v, bool) and not isinstance(new, (bool, np.bool_)):
+                raise GadgetTypeError(
+                    f"{what}: option {k!r} of saved parameter group {n} is {new!r}; expected "
+                    "True or False"
+                )
+            if isinstance(v, tuple) and not (isinstance(new, (tuple, list)) and len(new) == len(v)):
+                raise GadgetTypeError(
+                    f"{what}: option {k!r} of saved parameter group {n} is {new!r}; expected "
+                    f"{len(v)} values, as {v!r}"
+                )
             number = isinstance(v, (int, float)) and not isinstance(v, bool)
             if number and not (
                 (
