@@ -180,6 +180,48 @@ def _check_bench_order(parser: argparse.ArgumentParser, argv: Sequence[str], sui
         )
 
 
+def _check_bench_options(
+    commands: dict[str, argparse.ArgumentParser], words: Sequence[str]
+) -> None:
+    """An option between ``bench`` and the suite name that the seed benchmark does not take
+    is named as such (argparse would take the option's value for a suite name and report
+    ``invalid choice: '3'``)."""
+    words = list(words)
+    first = next((k for k, w in enumerate(words) if not w.startswith("-")), None)
+    if first is None or words[first] != "bench":
+        return
+    bench = commands["bench"]
+    known = {o: a for a in bench._actions for o in a.option_strings}
+    k = first + 1
+    while k < len(words):
+        word = words[k]
+        if word == "--" or not word.startswith("-") or word == "-":
+            return  # the suite name (or a positional): argparse takes it from here
+        name = word.split("=", 1)[0]
+        matches = [o for o in known if o == name] or [
+            o for o in known if o.startswith(name) and name.startswith("--")
+        ]
+        if len(matches) == 1:
+            action = known[matches[0]]
+            k += 1 if ("=" in word or action.nargs == 0) else 2
+            continue
+        if len(matches) > 1:
+            return  # ambiguous: argparse says so
+        owners = [
+            key.split(" ", 1)[1]
+            for key, sp in commands.items()
+            if key.startswith("bench ") and any(name in a.option_strings for a in sp._actions)
+        ]
+        where = (
+            f"; it is an option of `gadgetloader bench {owners[0]}`: put it after the suite name"
+            if len(owners) == 1
+            else f"; it is an option of the suites {', '.join(owners)}: put it after the suite name"
+            if owners
+            else ""
+        )
+        bench.error(f"unrecognized arguments: {word} (not an option of the seed benchmark{where})")
+
+
 class _PipeGuard:
     """``sys.stdout`` during a benchmark: once the reader of a pipe has gone (`| head`),
     further output is dropped instead of raising, so that the run ends and its results
@@ -232,6 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     parser, commands = _parsers()
     words = list(sys.argv[1:] if argv is None else argv)
+    _check_bench_options(commands, words)
     args, extra = parser.parse_known_args(words)
     if args.command == "bench" and args.suite:
         _check_bench_order(commands["bench"], words, args.suite)

@@ -96,7 +96,7 @@ def convert(
     if os.path.realpath(src_p) == os.path.realpath(dst_p) or _same_file(src_p, dst_p):
         # (through a symbolic or hard link too: a save replaces the file the link names)
         raise GadgetValueError(
-            f"convert: source and destination are the same file {src_p!r}"
+            f"source and destination are the same file {src_p!r}"
             + ("" if os.path.abspath(src_p) == os.path.abspath(dst_p) else f" (through {dst_p!r})")
         )
     t0 = time.perf_counter()
@@ -117,9 +117,17 @@ def convert(
             real = os.path.realpath(w)
             if real == target or real.startswith(target + os.sep) or _same_file(w, dst_p):
                 raise GadgetValueError(
-                    f"convert: the rows of {src_p!r} are stored in {real!r}, which the "
+                    f"the rows of {src_p!r} are stored in {real!r}, which the "
                     f"destination {dst_p!r} would replace; write to another file"
                 )
+        store = os.path.realpath(src_p)
+        if os.path.isdir(store) and target.startswith(store + os.sep):
+            # a new array inside the source store would change the store (a group's list
+            # of arrays, or an array's chunk folder)
+            raise GadgetValueError(
+                f"the destination {dst_p!r} lies inside the source zarr store {src_p!r}, "
+                "which convert must leave as it was; write outside it"
+            )
         if source.num_rows == 0:
             raise GadgetValueError(
                 f"{src_p} holds a table with zero rows {tuple(source.shape)}; nothing to "

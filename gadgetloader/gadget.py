@@ -87,7 +87,8 @@ def as_tensor_data(data: Any, what: str = "data") -> torch.Tensor:
     if hasattr(data, "__cuda_array_interface__") or hasattr(data, "__dlpack__"):
         return torch.from_dlpack(data)
     raise GadgetTypeError(
-        f"{what} must be a torch tensor or a NumPy/CuPy array; got {type(data).__name__}"
+        f"{what} must be a torch tensor, a NumPy/CuPy array or a (nested) list of rows; "
+        f"got {type(data).__name__}"
     )
 
 

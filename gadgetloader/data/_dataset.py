@@ -21,10 +21,16 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 from torch.utils.data import get_worker_info as _worker_info
-from torch.utils.data._utils.collate import default_collate_fn_map
+from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from .._device import PLACEMENTS, cuda_available, cupy_available, resolve_device
-from .._errors import GadgetIndexError, GadgetTypeError, GadgetValueError, as_choice
+from .._errors import (
+    GadgetClosedError,
+    GadgetIndexError,
+    GadgetTypeError,
+    GadgetValueError,
+    as_choice,
+)
 from .._fork import keep_in_forked_child
 from .._ids import as_ids, check_range
 from .._paths import as_path
@@ -127,9 +133,24 @@ def _collate_gadget_batches(
     """``default_collate`` for pre-batched results: one batch passes through unchanged;
     several are concatenated along the batch axis. Unbatched rows (of 0-d ids) are
     stacked along a new batch axis, as ``default_collate`` stacks ``ds[i]``'s tuples."""
-    rows = [isinstance(b, _RowBatch) for b in batch]
+    # a sample from another dataset beside a GadgetDataset's rows (``ConcatDataset``) is a
+    # row too: its columns are collated as default_collate collates them
+    rows = [isinstance(b, _RowBatch) or not isinstance(b, GadgetBatch) for b in batch]
     if all(rows):
-        return GadgetBatch(torch.stack(list(cols)) for cols in zip(*batch, strict=True))
+        if all(isinstance(b, _RowBatch) for b in batch):
+            return GadgetBatch(torch.stack(list(cols)) for cols in zip(*batch, strict=True))
+        widths = {len(b) if isinstance(b, (tuple, list)) else None for b in batch}
+        if len(widths) != 1 or None in widths:
+            got = sorted({type(b).__name__ for b in batch if not isinstance(b, GadgetBatch)})
+            raise GadgetTypeError(
+                "default_collate got a GadgetDataset's rows beside samples that are not "
+                f"tuples of as many columns ({', '.join(got)}; column counts "
+                f"{sorted(w for w in widths if w is not None)}); expected samples of one shape"
+            )
+        return GadgetBatch(
+            collate(list(cols), collate_fn_map=collate_fn_map or default_collate_fn_map)
+            for cols in zip(*batch, strict=True)
+        )
     if any(rows):
         raise GadgetTypeError(
             "default_collate got both rows of single ids (a 0-d id gives unbatched rows) and "
@@ -261,6 +282,10 @@ class GadgetDataset(Dataset[Any]):
         self, col: Any, i: int, placement: str | None, options: dict[str, Any]
     ) -> DataGadget:
         if isinstance(col, DataGadget):
+            try:
+                col.store.check_open()  # refused now, not at the first batch
+            except GadgetClosedError as exc:
+                raise GadgetClosedError(f"column {i}: {exc}") from exc
             return col
         if placement is not None:  # (a list or array must not reach a truth test)
             placement = as_choice(

@@ -344,10 +344,16 @@ class GadgetLoader:
             # the last pass was left before its end: read-ahead (coalescing, workers) may
             # have drained the sampler past what was handed out, so go by what the user got
             # -- an unfinished epoch restarts, as a bare sampler's does; a finished one moves
-            # on. (If the user has since called the sampler's set_epoch / load_state_dict,
-            # that wins.)
+            # on; one that handed out nothing leaves its start (a loaded position) in place.
+            # (If the user has since called the sampler's set_epoch / load_state_dict, that
+            # wins.)
             epoch, start, handed = prev[:3]
-            self._sampler._restart(epoch if start + handed < len(self._sampler) else epoch + 1)
+            if handed == 0:
+                self._sampler._restart(epoch, start)
+            elif start + handed < len(self._sampler):
+                self._sampler._restart(epoch)
+            else:
+                self._sampler._restart(epoch + 1)
         epoch, start = self._sampler._next_start()
         self._sampler._check_next(epoch)  # (refused before the loader records a pass)
         self._passes += 1

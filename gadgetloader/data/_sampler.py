@@ -671,10 +671,12 @@ class GadgetSampler(Sampler[Any]):
             self._restart(epoch)
         self._changes = getattr(self, "_changes", 0) + 1
 
-    def _restart(self, epoch: int) -> None:
+    def _restart(self, epoch: int, start: int = 0) -> None:
+        """Make the next pass start epoch ``epoch`` at batch ``start`` (a position other
+        than 0 holds as a loaded one does, until a batch is drawn)."""
         self._epoch = _check_epoch(epoch)
-        self._position = 0
-        self._resume = None
+        self._position = start
+        self._resume = start if start else None
         self._passes = getattr(self, "_passes", 0) + 1  # a pass still being read stops here
 
     def _order_future(self, epoch: int, *, background: bool) -> Future[torch.Tensor] | None:

@@ -56,6 +56,12 @@ class ArraySource(abc.ABC):
     chunk_rows: int
     _shape: tuple[int, ...]
 
+    #: whether the file stores the rows :meth:`write_rows` gets exactly (False where a
+    #: filter may change them: HDF5's scale-offset, zarr's quantising filters, or a codec
+    #: not known to be lossless); a file-backed store then drops the written blocks from
+    #: its cache, so that its next read is what the file holds
+    exact_writes: bool = True
+
     def writes_in_place(self) -> bool:
         """Whether this file's rows can be written in place (:meth:`write_rows`)."""
         return self.supports_writes

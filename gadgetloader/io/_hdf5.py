@@ -397,6 +397,18 @@ def _rows_elsewhere(obj: Any, home: str, where: str, h5py: ModuleType) -> tuple[
     return "", files
 
 
+def _exact_filters(obj: Any, h5py: ModuleType) -> bool:
+    """Whether every filter of dataset ``obj`` is lossless (deflate, shuffle, fletcher32,
+    szip, lzf); scale-offset, n-bit and filters from plugins may change what is written."""
+    z = h5py.h5z
+    lossless = {z.FILTER_DEFLATE, z.FILTER_SHUFFLE, z.FILTER_FLETCHER32, z.FILTER_SZIP, 32000}
+    try:
+        plist = obj.id.get_create_plist()
+        return all(plist.get_filter(i)[0] in lossless for i in range(plist.get_nfilters()))
+    except Exception:  # (a property list h5py cannot read: assume the worst)
+        return False
+
+
 class Hdf5Source(ArraySource):
     """Rows of one dataset in an HDF5 file.
 
@@ -567,6 +579,7 @@ class Hdf5Source(ArraySource):
                 else:
                     self.chunk_rows = max(1, _CONTIGUOUS_BLOCK_BYTES // max(1, self.row_nbytes))
                 self._direct = self._direct_mode(obj, chunks)
+                self.exact_writes = _exact_filters(obj, h5py)
             except BaseException:
                 self.close()
                 raise

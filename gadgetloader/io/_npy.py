@@ -147,7 +147,14 @@ class NpySource(ArraySource):
 
     def _file(self) -> io.FileIO:
         if self._f is None or self._f.closed:
-            self._f = open(self.path, "r+b" if self._mode == "r+" else "rb", buffering=0)  # noqa: SIM115
+            mode = "r+b" if self._mode == "r+" else "rb"
+            try:
+                self._f = open(self.path, mode, buffering=0)  # noqa: SIM115
+            except OSError as exc:  # (e.g. made read-only or removed since it was opened)
+                what = "for writing" if mode == "r+b" else "for reading"
+                raise GadgetFileError(
+                    f"{self.path}: cannot open it {what} ({exc.strerror or exc})"
+                ) from exc
             # closed quietly at exit too (a table still open then warned of an unclosed file)
             weakref.finalize(self, self._f.close)
         return self._f

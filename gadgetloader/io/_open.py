@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,32 @@ def _check_dataset(dataset: Any) -> None:
         )
 
 
+def _check_regular(path: str) -> None:
+    """Refuse a path that is neither a file nor a directory (a named pipe, a device, a
+    socket): reading one could block for ever or consume another program's data."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # missing or unreadable: said below, as before
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return
+    kind = (
+        "a named pipe (FIFO)"
+        if stat.S_ISFIFO(mode)
+        else "a character device"
+        if stat.S_ISCHR(mode)
+        else "a block device"
+        if stat.S_ISBLK(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "not a regular file"
+    )
+    raise GadgetFileError(
+        f"{path} is {kind}; expected a .npy / HDF5 file or a zarr directory (tables are read "
+        "from regular files, at any offset)"
+    )
+
+
 def open_source(
     path: str | os.PathLike[str],
     *,
@@ -110,6 +137,7 @@ def open_source(
     Sources keep the absolute path: they open or map the file lazily, which must not
     depend on the process's working directory at that time."""
     path = os.path.abspath(as_path(path))
+    _check_regular(path)
     try:
         fmt = _check_format(format) if format is not None else guess_format(path)
         if not os.path.exists(path):

@@ -111,6 +111,79 @@ def _numcodecs_decoder(codec: Any) -> Any | None:
     return None
 
 
+def _declared_size(decoder: Any, data: Any) -> int | None:
+    """The decoded size a chunk's compressed frame declares in its header, for codecs that
+    check their output against it (Zstd, LZ4, Blosc), else None.
+
+    Decoding into the chunk's place (``out=``) is safe only where the codec would notice
+    a frame that decodes to fewer bytes than the place holds; numcodecs checks too many
+    bytes but leaves a short frame's tail as it was (GZip and others). Raises
+    ``ValueError`` for a Blosc frame whose header gives another length than the file's
+    (blosc would read past the end of a truncated frame)."""
+    import numcodecs
+
+    head = bytes(memoryview(data)[:18])
+    if isinstance(decoder, numcodecs.Blosc):
+        if len(head) < 16:  # (blosc would read a header from beyond the bytes given)
+            raise ValueError(f"blosc frame of {len(head)} bytes; a header alone takes 16")
+        cbytes = int.from_bytes(head[12:16], "little")
+        if cbytes != memoryview(data).nbytes:
+            raise ValueError(
+                f"blosc frame of {memoryview(data).nbytes} bytes; its header says {cbytes}"
+            )
+        return int.from_bytes(head[4:8], "little")
+    if isinstance(decoder, numcodecs.LZ4):  # numcodecs' LZ4: the size, then one block
+        return int.from_bytes(head[:4], "little") if len(head) >= 4 else None
+    if isinstance(decoder, numcodecs.Zstd):  # a frame header's Frame_Content_Size
+        if len(head) < 6 or head[:4] != b"\x28\xb5\x2f\xfd":
+            return None
+        fhd = head[4]
+        single = (fhd >> 5) & 1
+        pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]
+        width = ((1 if single else 0), 2, 4, 8)[fhd >> 6]
+        if not width or len(head) < pos + width:
+            return None
+        size = int.from_bytes(head[pos : pos + width], "little")
+        return size + 256 if width == 2 else size
+    return None
+
+
+#: zarr v3 codecs that store what they are given (sharding: if its inner codecs do)
+_LOSSLESS_V3 = {"bytes", "transpose", "zstd", "gzip", "blosc", "crc32c", "sharding_indexed"}
+#: zarr v2 compressors that do, and filters that do
+_LOSSLESS_V2 = {"zstd", "gzip", "zlib", "blosc", "lz4", "bz2", "lzma"}
+_LOSSLESS_V2_FILTERS = {"shuffle"}
+
+
+def _codec_names(spec: Any) -> list[str]:
+    """The names of the codecs in a zarr v3 codec description (nested ones included)."""
+    if isinstance(spec, dict):
+        found = [str(spec["name"])] if "name" in spec else []
+        for value in (spec.get("configuration") or {}).values():
+            if isinstance(value, (list, tuple)):
+                for inner in value:
+                    found += _codec_names(inner)
+        return found
+    return []
+
+
+def _exact_codecs(arr: Any) -> bool:
+    """Whether every codec of zarr array ``arr`` stores rows exactly (see
+    :attr:`~gadgetloader.io._base.ArraySource.exact_writes`)."""
+    try:
+        meta = arr.metadata
+        if meta.zarr_format == 3:
+            names = [n for c in meta.codecs for n in _codec_names(c.to_dict())]
+            return all(n in _LOSSLESS_V3 for n in names)
+        filters = [f.get_config().get("id") for f in (meta.filters or ())]
+        comp = meta.compressor
+        return all(f in _LOSSLESS_V2_FILTERS for f in filters) and (
+            comp is None or comp.get_config().get("id") in _LOSSLESS_V2
+        )
+    except Exception:  # (metadata of a kind not known here: assume the worst)
+        return False
+
+
 #: per-thread scratch for compressed chunk bytes (reused: no allocation per chunk)
 _SCRATCH = threading.local()
 #: larger chunks get a fresh buffer each time instead of a kept one
@@ -264,6 +337,7 @@ class ZarrSource(ArraySource):
         self._key: Any = None
         self._key_pid = 0
         self._decoders: list[Any] | None = self._plan_direct(arr)
+        self.exact_writes = _exact_codecs(arr)
         fill = arr.fill_value
         self._fill = 0 if fill is None else fill
 
@@ -430,16 +504,18 @@ class ZarrSource(ArraySource):
         try:
             if self._decoders:
                 raw = _read_compressed(fd, flat.nbytes + flat.nbytes // 64 + _SLACK)
-            else:  # stored raw: read straight into place
-                got = os.readv(fd, [flat.data])
-                if got != flat.nbytes:
-                    raise GadgetFileError(
-                        f"{self.path}: chunk {k} holds {got} bytes; expected {flat.nbytes}"
-                    )
+            else:  # stored raw: read straight into place (one byte more shows a longer file)
+                got = os.readv(fd, [flat.data, bytearray(1)])
         except OSError as exc:
             raise GadgetFileError(f"{self.path}: cannot read chunk {k} ({exc})") from exc
         finally:
             os.close(fd)
+        if not self._decoders and got != flat.nbytes:
+            raise GadgetFileError(
+                f"{self.path}: chunk {k} holds "
+                f"{got if got < flat.nbytes else 'more than ' + str(flat.nbytes)} bytes; "
+                f"expected {flat.nbytes}"
+            )
         if self._decoders:
             try:
                 self._decode(raw, buf)
@@ -455,13 +531,14 @@ class ZarrSource(ArraySource):
         data: Any = raw
         decoders = self._decoders or []
         for i, dec in enumerate(decoders):
-            if i == len(decoders) - 1:
-                dec.decode(data, out=flat)
+            if i == len(decoders) - 1 and _declared_size(dec, data) == flat.nbytes:
+                dec.decode(data, out=flat)  # (the codec checks what it wrote: see above)
                 return
             data = dec.decode(data)
-        if len(data) != flat.nbytes:
-            raise ValueError(f"chunk has {len(data)} bytes; expected {flat.nbytes}")
-        flat[...] = np.frombuffer(data, dtype=np.uint8)
+        got = np.frombuffer(data, dtype=np.uint8)
+        if got.nbytes != flat.nbytes:
+            raise ValueError(f"it decodes to {got.nbytes} bytes; expected {flat.nbytes}")
+        flat[...] = got
 
     @property
     def write_unit_rows(self) -> int:

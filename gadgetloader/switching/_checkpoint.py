@@ -166,7 +166,7 @@ def _parts(obj: Any, caller: str = "save_checkpoint") -> tuple[str, dict[str, Da
         )
     if isinstance(obj, nn.Module):
         tables = {
-            f"{name}.weight": m.table
+            f"{name}.weight" if name else "weight": m.table  # (the object itself: "weight")
             for name, m in obj.named_modules()
             if isinstance(m, _OffloadedTable)
         }
@@ -777,6 +777,10 @@ def load_checkpoint(
         entry = saved_objects[name]
         _check_entry(meta_path, name, entry)
         kind, tables, _ = _parts(obj, "load_checkpoint")
+        if kind == "module" and ".weight" in entry["tables"] and "weight" not in entry["tables"]:
+            # written before session 47, which named a bare module's own table ".weight"
+            renamed = {("weight" if t == ".weight" else t): f for t, f in entry["tables"].items()}
+            entry = {**entry, "tables": renamed}
         # an optimizer's checkpoint may hold state its hyper-parameters have not turned on
         # yet (a scheduler's momentum): those tables are added once everything is checked
         found = {

@@ -43,7 +43,7 @@ from ._optim import (
     probe_state,
     supported_name,
 )
-from ._rows import RowPlan, exact_plan, plan_rows, plan_rows_async
+from ._rows import RowPlan, check_training_placement, exact_plan, plan_rows, plan_rows_async
 from ._torchfile import table_tensor
 
 __all__ = ["OffloadedEmbedding", "OffloadedEmbeddingBag", "OffloadedOptimizer"]
@@ -168,6 +168,7 @@ class _OffloadedTable(nn.Module):
                 f"an embedding table needs a floating-point dtype (float32, float16, bfloat16, "
                 f"float64); got {dtype_name(td)}"
             )
+        check_training_placement(placement, type(self).__name__)
         self.table = DataGadget(
             shape=(self.num_embeddings, self.embedding_dim),
             dtype=td,

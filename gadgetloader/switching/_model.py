@@ -27,7 +27,15 @@ from .._paths import as_path
 from ..gadget import DataGadget
 from ..stores._base import gather_many as gather_stores
 from ._optim import pagers_for
-from ._rows import DUPLICATE_MODES, PlanCache, RowPlan, plan_rows, same_rows, split_local
+from ._rows import (
+    DUPLICATE_MODES,
+    PlanCache,
+    RowPlan,
+    check_training_placement,
+    plan_rows,
+    same_rows,
+    split_local,
+)
 from ._torchfile import check_tensor, load_torch_file, save_torch_file, table_tensor
 
 __all__ = ["ModelSwitch", "resolve_parameter", "switch_for"]
@@ -101,7 +109,10 @@ class ModelSwitch:
     module's ``padding_idx`` is set to that id's local row (``None`` when the batch lacks
     it), so that row gets no gradient, as in a full-table ``nn.Embedding(padding_idx=...)``
     (needs ``duplicates='merge'``). The table's row for it holds what the initialiser
-    wrote: zero it (``insertData``) if it should be zeros.
+    wrote: zero it (``insertData``) if it should be zeros. Given only the module's
+    ``weight``, the switcher cannot see the module: its ``padding_idx`` then names a local
+    row of each batch (whichever global id lands there gets no gradient), so pass the
+    module itself.
 
     The variable keeps a fixed shape for a fixed batch size: its own number of rows,
     or one per id position if that is more (see :meth:`capacity_for`); rows past the
@@ -124,6 +135,7 @@ class ModelSwitch:
     ) -> None:
         if placement is None:
             placement = "pinned" if cuda_available() else "cpu"
+        check_training_placement(placement, type(self).__name__)  # before anything changes
         self.param = resolve_parameter(model_variable)
         self.model_variable = model_variable
         total_classes = as_count(total_classes, "total_classes")

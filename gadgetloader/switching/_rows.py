@@ -20,7 +20,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .._device import pinned_empty
+from .._device import pinned_empty, resolve_placement
+from .._errors import GadgetKeyError
 from .._fork import keep_in_forked_child
 from .._ids import check_range
 
@@ -289,3 +290,14 @@ class PlanCache:
 
     def clear(self) -> None:
         self._entry = None
+
+
+def check_training_placement(placement: Any, what: str) -> None:
+    """Refuse ``placement='file'`` for a table that trains (its rows and optimizer state
+    live in memory), saying where file-backed tables come in (checkpoints)."""
+    if isinstance(placement, str) and resolve_placement(placement) == "file":
+        raise GadgetKeyError(
+            f"{what} cannot use placement 'file': a trained table and its optimizer state "
+            "live in memory (placements 'pinned', 'cpu', 'cuda'); save and restore them "
+            "through files with save_checkpoint / load_checkpoint"
+        )
