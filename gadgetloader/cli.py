@@ -187,6 +187,9 @@ def _check_bench_options(
     is named as such (argparse would take the option's value for a suite name and report
     ``invalid choice: '3'``)."""
     words = list(words)
+    head = words[: words.index("--")] if "--" in words else words
+    if {"-h", "--help", "--version"} & set(head):
+        return  # help and the version win over a bad option, as argparse has it
     first = next((k for k, w in enumerate(words) if not w.startswith("-")), None)
     if first is None or words[first] != "bench":
         return

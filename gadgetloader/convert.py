@@ -120,13 +120,13 @@ def convert(
                     f"the rows of {src_p!r} are stored in {real!r}, which the "
                     f"destination {dst_p!r} would replace; write to another file"
                 )
-        store = os.path.realpath(src_p)
-        if os.path.isdir(store) and target.startswith(store + os.sep):
+        store = _zarr_store_root(src_p)
+        if store is not None and target.startswith(store + os.sep):
             # a new array inside the source store would change the store (a group's list
             # of arrays, or an array's chunk folder)
             raise GadgetValueError(
-                f"the destination {dst_p!r} lies inside the source zarr store {src_p!r}, "
-                "which convert must leave as it was; write outside it"
+                f"the destination {dst_p!r} lies inside the zarr store {store!r} that holds "
+                f"the source {src_p!r}, which convert must leave as it was; write outside it"
             )
         if source.num_rows == 0:
             raise GadgetValueError(
@@ -221,6 +221,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bar.add_argument(
         "--no-progress", dest="progress", action="store_false", help="never show a progress bar"
     )
+
+
+def _zarr_store_root(path: str) -> str | None:
+    """The outermost zarr node (group or array folder) that holds ``path`` (itself
+    included), by real path; None where ``path`` is not in a zarr store."""
+    from .io._zarr import is_zarr
+
+    node, root = os.path.realpath(path), None
+    while os.path.isdir(node) and is_zarr(node):
+        root = node
+        parent = os.path.dirname(node)
+        if parent == node:
+            break
+        node = parent
+    return root
 
 
 def _same_file(a: str, b: str) -> bool:

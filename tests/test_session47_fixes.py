@@ -379,7 +379,7 @@ def test_zarr_chunks_of_the_right_size_still_read(kind, tmp_path):
     path = str(tmp_path / "a.zarr")
     _zarr_array(path, kind)
     g = gl.DataGadget(path, placement="file")
-    assert np.array_equal(torch.as_tensor(g.getData(torch.arange(10))).numpy(), A)
+    assert np.array_equal(torch.as_tensor(g.getData(torch.arange(10))).cpu().numpy(), A)
     assert np.array_equal(gl.DataGadget(path, placement="cpu").getNumpyVersion(), A)
 
 
@@ -405,7 +405,7 @@ def test_scatter_many_prechecks_the_rest_of_a_shard(tmp_path):
             [ga, gb], [torch.full((1, 4), -1.0), torch.full((1, 4), -2.0)], torch.tensor([2])
         )
     assert np.array_equal(np.asarray(zarr.open(pa, mode="r")[...]), a)  # table 0 unchanged
-    assert torch.equal(torch.as_tensor(ga.getData(torch.arange(20))), torch.from_numpy(a))
+    assert torch.equal(torch.as_tensor(ga.getData(torch.arange(20))).cpu(), torch.from_numpy(a))
     assert _bytes(shard) == before_b
 
 
@@ -416,7 +416,7 @@ def test_npy_write_that_cannot_open_the_file_is_a_gadget_error(tmp_path, monkeyp
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     np.save(tmp_path / "a.npy", a)
     g = gl.DataGadget(str(tmp_path / "a.npy"), placement="file")
-    assert np.array_equal(torch.as_tensor(g.getData(torch.arange(3))).numpy(), a)
+    assert np.array_equal(torch.as_tensor(g.getData(torch.arange(3))).cpu().numpy(), a)
 
     def refused(path, mode="r", *args, **kwargs):
         if "+" in mode:
@@ -430,7 +430,7 @@ def test_npy_write_that_cannot_open_the_file_is_a_gadget_error(tmp_path, monkeyp
         g.insertData(torch.zeros(1, 4), torch.tensor([0]))
     monkeypatch.undo()
     assert np.array_equal(np.load(tmp_path / "a.npy"), a)
-    assert np.array_equal(torch.as_tensor(g.getData(torch.arange(3))).numpy(), a)
+    assert np.array_equal(torch.as_tensor(g.getData(torch.arange(3))).cpu().numpy(), a)
 
 
 # ------------------------------------------------------------------- lossy filters, cache
@@ -473,10 +473,10 @@ def test_file_table_reads_what_a_lossy_filter_stored(kind, tmp_path):
     stored = read()
     if kind == "zarr-quantize":  # (HDF5's scale-offset may keep some values exactly)
         assert not np.array_equal(stored[3], rows[0].numpy())  # the filter changed them
-    got = torch.as_tensor(g.getData(torch.arange(20))).numpy()
+    got = torch.as_tensor(g.getData(torch.arange(20))).cpu().numpy()
     assert np.array_equal(got, stored)
     fresh = gl.DataGadget(path, dataset=dataset, placement="file")
-    assert np.array_equal(torch.as_tensor(fresh.getData(torch.arange(20))).numpy(), stored)
+    assert np.array_equal(torch.as_tensor(fresh.getData(torch.arange(20))).cpu().numpy(), stored)
 
 
 def test_lossless_files_keep_their_write_through_cache(tmp_path):
@@ -516,7 +516,7 @@ def test_convert_into_the_source_store_is_refused(tmp_path):
     group.create_array("emb", data=A)
     listing = sorted(os.listdir(src))
     for dst in ("copy.zarr", "emb/copy.npy", "sub/copy.h5"):
-        with pytest.raises(gl.GadgetValueError, match="inside the source zarr store"):
+        with pytest.raises(gl.GadgetValueError, match="inside the zarr store"):
             convert(src, os.path.join(src, dst))
     assert sorted(os.listdir(src)) == listing
     assert np.array_equal(gl.DataGadget(src, placement="cpu").getNumpyVersion(), A)
@@ -524,3 +524,99 @@ def test_convert_into_the_source_store_is_refused(tmp_path):
     assert np.array_equal(
         gl.DataGadget(str(tmp_path / "copy.zarr"), placement="cpu").getNumpyVersion(), A
     )
+
+
+# ------------------------------------------- follow-ups from a review of the fixes above
+@pytest.mark.parametrize("placement", ["cpu", "file"])
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("via", ["loader", "sampler"])
+def test_set_epoch_after_an_unused_iter_keeps_a_loaded_position(placement, workers, via, tmp_path):
+    # with workers, torch draws batches ahead at iter(): the sampler moved, though the user
+    # got nothing; set_epoch of the loaded epoch (the top-of-epoch call) keeps the position
+    x = np.arange(40, dtype=np.float32)
+    col = _column(placement, x, tmp_path) if placement == "file" else x
+    ds = gl.GadgetDataset(col, device="cpu")
+    ref = [b.tolist() for b in gl.GadgetSampler(ds, batch_size=4, seed=5)]
+    first = gl.GadgetLoader(ds, batch_size=4, seed=5)
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    state = first.state_dict()
+    loader = gl.GadgetLoader(ds, batch_size=4, seed=5, num_workers=workers)
+    loader.load_state_dict(state)
+    unused = iter(loader)
+    del unused
+    epoch = state["sampler"]["epoch"]
+    (loader if via == "loader" else loader.sampler).set_epoch(epoch)
+    got = [[int(v) for v in _values(b)] for b in loader]
+    assert got == ref[3:]
+    # set_epoch of the epoch after restarts from its first batch, as documented
+    loader.set_epoch(epoch + 1)
+    nxt = [[int(v) for v in _values(b)] for b in loader]
+    assert len(nxt) == len(ref) and sorted(v for b in nxt for v in b) == list(range(40))
+
+
+def test_set_epoch_without_a_loaded_position_still_restarts():
+    ds = gl.GadgetDataset(np.arange(20, dtype=np.float32), device="cpu")
+    ref = [b.tolist() for b in gl.GadgetSampler(ds, batch_size=4, seed=2)]
+    loader = gl.GadgetLoader(ds, batch_size=4, seed=2)
+    it = iter(loader)
+    next(it)
+    del it
+    loader.set_epoch(0)
+    assert [[int(v) for v in _values(b)] for b in loader] == ref
+
+
+@pytest.mark.parametrize(
+    "argv", [["bench", "--bogus", "-h"], ["bench", "-h", "--bogus"], ["--version", "bench", "--x"]]
+)
+def test_help_and_version_win_over_an_unknown_bench_option(argv, capsys):
+    from gadgetloader.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert ("usage:" in out) if "-h" in argv else ("gadgetloader " in out)
+
+
+@pytest.mark.parametrize("extra", [1, 16])
+def test_blosc_chunk_with_trailing_bytes_reads_as_zarr_reads_it(extra, tmp_path):
+    path = str(tmp_path / "a.zarr")
+    chunk = _zarr_array(path, "blosc")
+    with open(chunk, "ab") as f:
+        f.write(b"\0" * extra)
+    assert np.array_equal(np.asarray(zarr.open(path, mode="r")[...]), A)
+    for placement in ("cpu", "file"):
+        g = gl.DataGadget(path, placement=placement)
+        assert np.array_equal(torch.as_tensor(g.getData(torch.arange(10))).cpu().numpy(), A)
+
+
+def test_optimizer_switch_refuses_file_placement_up_front():
+    model = torch.nn.Embedding(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(gl.GadgetKeyError, match="cannot use placement 'file'"):
+        gl.OptimizerFactory(opt, 10, 3, model, "weight", placement="file")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+@pytest.mark.parametrize("placement", ["cpu", "file"])
+def test_named_pipe_inside_a_zarr_store_does_not_block(placement, tmp_path):
+    path = str(tmp_path / "a.zarr")
+    chunk = _zarr_array(path, "zstd")
+    os.remove(chunk)
+    os.mkfifo(chunk)
+    with pytest.raises(gl.GadgetFileError, match="chunk 1"):
+        gl.DataGadget(path, placement=placement).getData(torch.arange(10))
+
+
+def test_convert_from_an_array_of_a_group_into_that_group_is_refused(tmp_path):
+    from gadgetloader.convert import convert
+
+    src = str(tmp_path / "s.zarr")
+    group = zarr.open_group(src, mode="w")
+    group.create_array("x", data=A)
+    with pytest.raises(gl.GadgetValueError, match="inside the zarr store"):
+        convert(os.path.join(src, "x"), os.path.join(src, "y.zarr"))
+    assert sorted(os.listdir(src)) == ["x", "zarr.json"]
+    assert np.array_equal(gl.DataGadget(src, placement="cpu").getNumpyVersion(), A)

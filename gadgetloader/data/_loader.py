@@ -301,6 +301,10 @@ class GadgetLoader:
         :meth:`load_state_dict` of that epoch, from the loaded position (as
         :meth:`GadgetSampler.set_epoch`). A refused epoch changes nothing."""
         self._sampler.set_epoch(epoch)  # checks before it changes
+        prev = self._active
+        if self._kept_start(prev, getattr(self._sampler, "_changes", 0)):
+            assert prev is not None
+            self._sampler._restart(prev[0], prev[1])  # (see __iter__)
         self._active = None
 
     # ---- resume ------------------------------------------------------------------------------
@@ -340,7 +344,12 @@ class GadgetLoader:
     def __iter__(self) -> Iterator[GadgetBatch]:
         prev = self._active
         changes = getattr(self._sampler, "_changes", 0)
-        if prev is not None and prev[3] == changes:
+        if self._kept_start(prev, changes):
+            # the last pass handed out nothing (its read-ahead may have moved the sampler)
+            # and the one change since was set_epoch of its epoch: like set_epoch right
+            # after load_state_dict, that keeps the pass's start (a loaded position)
+            self._sampler._restart(prev[0], prev[1])
+        elif prev is not None and prev[3] == changes:
             # the last pass was left before its end: read-ahead (coalescing, workers) may
             # have drained the sampler past what was handed out, so go by what the user got
             # -- an unfinished epoch restarts, as a bare sampler's does; a finished one moves
@@ -367,6 +376,20 @@ class GadgetLoader:
         if self._device.type == "cuda" and self._prefetch > 0:
             return keep_in_forked_child(self._prefetched(it, active))
         return keep_in_forked_child(self._plain(it, active))
+
+    def _kept_start(self, prev: list[int] | None, changes: int) -> bool:
+        """Whether pass ``prev`` handed out nothing from a start past its epoch's first
+        batch, and the sampler's one change since was ``set_epoch`` of that epoch."""
+        s = self._sampler
+        return (
+            prev is not None
+            and prev[2] == 0
+            and prev[1] > 0
+            and changes == prev[3] + 1
+            and getattr(s, "_set_epoch_change", None) == changes
+            and s._epoch == prev[0]
+            and s._resume is None
+        )
 
     def _finish(self, active: list[int]) -> None:
         if self._active is active:

@@ -670,6 +670,9 @@ class GadgetSampler(Sampler[Any]):
         if not (self._resume is not None and epoch == self._epoch):
             self._restart(epoch)
         self._changes = getattr(self, "_changes", 0) + 1
+        #: which change was this set_epoch (a GadgetLoader whose last pass handed out
+        #: nothing keeps that pass's start through it: see GadgetLoader.__iter__)
+        self._set_epoch_change = self._changes
 
     def _restart(self, epoch: int, start: int = 0) -> None:
         """Make the next pass start epoch ``epoch`` at batch ``start`` (a position other

@@ -118,7 +118,7 @@ def _declared_size(decoder: Any, data: Any) -> int | None:
     Decoding into the chunk's place (``out=``) is safe only where the codec would notice
     a frame that decodes to fewer bytes than the place holds; numcodecs checks too many
     bytes but leaves a short frame's tail as it was (GZip and others). Raises
-    ``ValueError`` for a Blosc frame whose header gives another length than the file's
+    ``ValueError`` for a Blosc frame whose header gives a greater length than the file's
     (blosc would read past the end of a truncated frame)."""
     import numcodecs
 
@@ -127,7 +127,7 @@ def _declared_size(decoder: Any, data: Any) -> int | None:
         if len(head) < 16:  # (blosc would read a header from beyond the bytes given)
             raise ValueError(f"blosc frame of {len(head)} bytes; a header alone takes 16")
         cbytes = int.from_bytes(head[12:16], "little")
-        if cbytes != memoryview(data).nbytes:
+        if cbytes > memoryview(data).nbytes:  # (bytes after the frame are left, as zarr does)
             raise ValueError(
                 f"blosc frame of {memoryview(data).nbytes} bytes; its header says {cbytes}"
             )
@@ -495,7 +495,8 @@ class ZarrSource(ArraySource):
         buf = dst if whole else np.empty((c, *self.shape[1:]), dtype=dst.dtype)
         flat = buf.reshape(-1).view(np.uint8)
         try:
-            fd = os.open(self._chunk_file(k), os.O_RDONLY)
+            # (non-blocking: a named pipe in the store reads as empty instead of waiting)
+            fd = os.open(self._chunk_file(k), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
             dst[...] = self._fill
             return

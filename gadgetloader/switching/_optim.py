@@ -1223,7 +1223,9 @@ class OptimizerSwitch:
         if placement is None:
             placement = "pinned" if cuda_available() else "cpu"
         from .._dtypes import as_torch_dtype, dtype_name
+        from ._rows import check_training_placement
 
+        check_training_placement(placement, type(self).__name__)
         self.optimizer_name = supported_name(given_optimizer)
         self.optimizer = given_optimizer
         self.param = resolve_named_parameter(model, variable_name)
