@@ -620,3 +620,54 @@ def test_convert_from_an_array_of_a_group_into_that_group_is_refused(tmp_path):
         convert(os.path.join(src, "x"), os.path.join(src, "y.zarr"))
     assert sorted(os.listdir(src)) == ["x", "zarr.json"]
     assert np.array_equal(gl.DataGadget(src, placement="cpu").getNumpyVersion(), A)
+
+
+# ------------------------------------------------ a state dict that turns amsgrad on
+class _Net(torch.nn.Module):
+    def __init__(self, placement):
+        super().__init__()
+        self.emb = gl.OffloadedEmbedding(8, 3, placement=placement, device=DEVICE)
+        self.head = torch.nn.Linear(3, 1).to(DEVICE)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids)).sum()
+
+
+@pytest.mark.parametrize("placement", MEMORY_PLACEMENTS)
+def test_state_dict_turning_amsgrad_on_without_its_state_is_refused(placement):
+    torch.manual_seed(0)
+    net = _Net(placement)
+    opt = gl.OffloadedOptimizer(torch.optim.Adam, net, lr=0.1)
+    for ids in ([1, 2, 2], [0, 5]):
+        opt.zero_grad()
+        net(torch.tensor(ids, device=DEVICE)).backward()
+        opt.step()
+    saved = opt.state_dict()
+    bad = opt.state_dict()
+    for g in bad["inner"]["param_groups"]:
+        g["amsgrad"] = True
+    table = torch.as_tensor(net.emb.weight[torch.arange(8)]).cpu().clone()
+    with pytest.raises(gl.GadgetValueError, match="turns amsgrad on"):
+        opt.load_state_dict(bad)
+    # nothing changed: no new state table, the groups as they were, the earlier state loads
+    after = opt.state_dict()
+    assert sorted(after["tables"][0]) == sorted(saved["tables"][0])
+    assert all(g["amsgrad"] is False for g in opt.param_groups)
+    opt.load_state_dict(saved)
+    opt.zero_grad()
+    net(torch.tensor([2, 7], device=DEVICE)).backward()
+    opt.step()  # trains on
+    assert not torch.equal(torch.as_tensor(net.emb.weight[torch.arange(8)]).cpu(), table)
+
+
+def test_amsgrad_turned_on_before_any_dense_state_still_loads():
+    net = _Net("cpu")
+    opt = gl.OffloadedOptimizer(torch.optim.Adam, net, lr=0.1)
+    sd = opt.state_dict()  # no step yet: no state to lack anything
+    for g in sd["inner"]["param_groups"]:
+        g["amsgrad"] = True
+    opt.load_state_dict(sd)
+    assert all(g["amsgrad"] is True for g in opt.param_groups)
+    opt.zero_grad()
+    net(torch.tensor([1, 3])).backward()
+    opt.step()

@@ -212,10 +212,33 @@ def check_optimizer_state(
     params = [p for g in optimizer.param_groups for p in g["params"]]
     saved_ids = [i for g in groups for i in g["params"]]
     where = dict(zip(saved_ids, params, strict=True))
+    # a saved group that turns amsgrad on for a dense parameter whose saved state was made
+    # with it off: torch's Adam would fail at the next step (no max_exp_avg_sq), after the
+    # offloaded tables had grown the new state table; refused here, before any change
+    amsgrad = {
+        i
+        for g in _filled_groups(optimizer, groups)
+        if g.get("amsgrad") is True or isinstance(g.get("amsgrad"), np.bool_) and g["amsgrad"]
+        for i in g["params"]
+    }
     for pid, entry in sd["state"].items():
         if not isinstance(entry, Mapping):
             continue
         p = where.get(pid)
+        if (
+            shapes
+            and pid in amsgrad
+            and p is not None
+            and id(p) not in skip
+            and "exp_avg_sq" in entry
+            and "max_exp_avg_sq" not in entry
+        ):
+            raise GadgetValueError(
+                f"{what}: its parameter group turns amsgrad on, but the saved state of "
+                f"parameter {pid!r} has no 'max_exp_avg_sq' (it was saved with amsgrad off); "
+                "torch's Adam would fail at its next step. Load it with amsgrad off, or "
+                "save it from an optimizer with amsgrad on"
+            )
         for k, v in entry.items():
             if not isinstance(v, torch.Tensor):
                 continue
