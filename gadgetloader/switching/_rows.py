@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .._device import pinned_empty, resolve_placement
+from .._device import pinned_empty
 from .._errors import GadgetKeyError
 from .._fork import keep_in_forked_child
 from .._ids import check_range
@@ -295,7 +295,8 @@ class PlanCache:
 def check_training_placement(placement: Any, what: str) -> None:
     """Refuse ``placement='file'`` for a table that trains (its rows and optimizer state
     live in memory), saying where file-backed tables come in (checkpoints)."""
-    if isinstance(placement, str) and resolve_placement(placement) == "file":
+    # (by name: resolving would warn of the CPU fallback before the caller's own checks)
+    if isinstance(placement, str) and placement.lower() == "file":
         raise GadgetKeyError(
             f"{what} cannot use placement 'file': a trained table and its optimizer state "
             "live in memory (placements 'pinned', 'cpu', 'cuda'); save and restore them "
