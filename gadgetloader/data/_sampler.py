@@ -151,6 +151,16 @@ def _check_int(value: Any, name: str, *, minimum: int) -> int:
     return int(value)
 
 
+def _same_kind(mine: Any, theirs: Any) -> bool:
+    """Whether a saved setting has the kind of the sampler's own: an int setting wants an
+    int (not a bool or a float that equals it), a flag a bool, a name a str."""
+    if isinstance(mine, bool) or isinstance(theirs, bool):
+        return isinstance(mine, bool) and isinstance(theirs, bool)
+    if isinstance(mine, int):
+        return isinstance(theirs, (int, np.integer))
+    return type(mine) is type(theirs)
+
+
 #: the first epoch that cannot be ordered (epochs are mixed as 64-bit numbers)
 _EPOCH_END = 1 << 64
 
@@ -893,7 +903,8 @@ class GadgetSampler(Sampler[Any]):
         GadgetValueError
             The state was saved for another dataset size, world size, batch size,
             order, ``drop_last`` / ``pad`` setting or chunk layout (the positions would
-            mean different rows). The sampler is then unchanged.
+            mean different rows), or a setting is of another kind than the sampler's own
+            (``num_rows=50.0`` or ``drop_last=0``). The sampler is then unchanged.
         """
         if not isinstance(state_dict, Mapping):
             raise GadgetTypeError(
@@ -915,6 +926,11 @@ class GadgetSampler(Sampler[Any]):
             keys += ["chunk_rows", "window_chunks"]
         for key in keys:
             mine, theirs = getattr(self, f"_{key}"), state_dict.get(key)
+            if mine == theirs and not _same_kind(mine, theirs):
+                raise GadgetValueError(
+                    f"sampler state's {key} is {theirs!r} ({type(theirs).__name__}); expected "
+                    f"a {type(mine).__name__} as GadgetSampler.state_dict() saves it"
+                )
             if mine != theirs:
                 what = {
                     "num_rows": "a dataset of a different size",

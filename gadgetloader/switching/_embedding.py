@@ -805,7 +805,8 @@ class OffloadedEmbeddingBag(_OffloadedTable):
     ``offsets`` (int64 or int32, 1-D) must start at 0, never decrease and not pass the
     input's length (end at it with ``include_last_offset``); empty offsets go only with
     an empty input (no bags: a ``(0, embedding_dim)`` result, as torch's), and ``per_sample_weights``
-    must be a float tensor of the input's shape: both are checked before the lookup is
+    must be a float tensor of the input's shape (any floating dtype: it is cast to the
+    table's, where torch's ``EmbeddingBag`` asks for the weight's own): both are checked before the lookup is
     recorded (CUDA offsets with one read-back), so a bad call leaves nothing for the step.
     ``nn.EmbeddingBag``'s ``padding_idx``, ``max_norm``, ``scale_grad_by_freq`` and
     ``sparse`` are not taken (a ``TypeError`` for the unknown keyword); the table's own
