@@ -52,7 +52,7 @@ def test_sampler_state_with_numpy_ints_still_loads():
     expected = [next(it).tolist() for _ in range(3)]
     state = {k: (np.int64(v) if type(v) is int else v) for k, v in state.items()}
     sampler.load_state_dict(state)
-    got = [b.tolist() for b, _ in zip(sampler, range(3))]
+    got = [b.tolist() for b, _ in zip(sampler, range(3), strict=False)]
     assert got == expected
 
 
