@@ -9,8 +9,6 @@ imported when a feature needs them, and their absence raises an error naming the
 pip extra to install.
 """
 
-from __future__ import annotations
-
 from ._device import PLACEMENTS, cuda_available
 from ._dtypes import SUPPORTED_DTYPES
 from ._errors import (

@@ -83,3 +83,24 @@ def test_bag_per_sample_weights_of_another_float_dtype_are_cast(placement, wdtyp
     assert out.dtype == torch.float32
     expected = ref(ids, per_sample_weights=w.to(torch.float32))
     torch.testing.assert_close(out.detach(), expected)
+
+
+# ------------------------------------------------------------------ the public namespace
+def test_namespace_has_no_future_import_leak():
+    public = {n for n in dir(gl) if not n.startswith("_")}
+    assert "annotations" not in public
+    assert set(gl.__all__) <= set(dir(gl))
+
+
+# ------------------------------------------- switched weights: zero padding rows (documented)
+def test_switched_weight_keeps_its_rows_and_pads_with_zeros():
+    emb = torch.nn.Embedding(8, 3)
+    sw = gl.ModelSwitch(emb, 50, 3, placement="cpu")
+    sw.uniformDistributionInit(-1.0, 1.0)
+    table = sw.getNumpyVersion()
+    ids = torch.tensor([7, 3, 7, 41])
+    local = sw.beforeForwardPass(ids)
+    w = emb.weight.detach()
+    assert tuple(w.shape) == (8, 3)  # the module's own rows: more than the batch's
+    np.testing.assert_array_equal(w[local].numpy(), table[ids.numpy()])
+    assert not w[3:].any()  # three distinct ids: the rest is zero padding
