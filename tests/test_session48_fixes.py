@@ -104,3 +104,20 @@ def test_switched_weight_keeps_its_rows_and_pads_with_zeros():
     assert tuple(w.shape) == (8, 3)  # the module's own rows: more than the batch's
     np.testing.assert_array_equal(w[local].numpy(), table[ids.numpy()])
     assert not w[3:].any()  # three distinct ids: the rest is zero padding
+
+
+# ------------------------------------------- a missing name whose .npy exists: a hint
+@pytest.mark.parametrize("placement", ["cpu", "file"])
+def test_missing_path_names_the_npy_that_save_wrote(tmp_path, placement):
+    g = gl.DataGadget(np.arange(6, dtype=np.float32).reshape(3, 2), placement="cpu")
+    stem = str(tmp_path / "emb")
+    g.saveCupy(stem)  # writes emb.npy, as numpy.save
+    other = gl.DataGadget(np.ones((3, 2), np.float32), placement="cpu")
+    with pytest.raises(gl.GadgetFileNotFoundError, match=r"emb\.npy exists"):
+        other.loadCupy(stem)
+    np.testing.assert_array_equal(other.getNumpyVersion(), np.ones((3, 2), np.float32))
+    with pytest.raises(gl.GadgetFileNotFoundError, match=r"emb\.npy exists"):
+        gl.DataGadget(stem, placement=placement)
+    with pytest.raises(gl.GadgetFileNotFoundError) as info:
+        gl.DataGadget(str(tmp_path / "nothing"), placement=placement)
+    assert "exists" not in str(info.value)

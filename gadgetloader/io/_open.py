@@ -63,6 +63,14 @@ register_format("zarr", ZarrSource, ZarrSink, (".zarr",), is_zarr)
 FORMATS = _REGISTRY  # read-only by convention
 
 
+def _npy_hint(path: str) -> str:
+    """A hint for a path given without the ``.npy`` that ``saveCupy`` / ``numpy.save``
+    added to it."""
+    if not path.endswith(os.sep) and os.path.isfile(path + ".npy"):
+        return f" ({path}.npy exists: saveCupy and numpy.save add .npy to a name without it)"
+    return ""
+
+
 def guess_format(path: str | os.PathLike[str], *, must_exist: bool = True) -> str:
     """The format of ``path`` from its extension, else its content."""
     p = str(path)
@@ -72,7 +80,7 @@ def guess_format(path: str | os.PathLike[str], *, must_exist: bool = True) -> st
             return name
     if must_exist:
         if not os.path.exists(p):
-            raise GadgetFileNotFoundError(f"no such file or directory: {p}", p)
+            raise GadgetFileNotFoundError(f"no such file or directory: {p}{_npy_hint(p)}", p)
         for name, (_, _, _, sniff) in _REGISTRY.items():
             if sniff(p):
                 return name
@@ -141,7 +149,9 @@ def open_source(
     try:
         fmt = _check_format(format) if format is not None else guess_format(path)
         if not os.path.exists(path):
-            raise GadgetFileNotFoundError(f"no such file or directory: {path}", path)
+            raise GadgetFileNotFoundError(
+                f"no such file or directory: {path}{_npy_hint(path)}", path
+            )
         _check_dataset(dataset)
         factory = _REGISTRY[fmt][0]
         if dataset is not None:
