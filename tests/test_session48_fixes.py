@@ -121,3 +121,108 @@ def test_missing_path_names_the_npy_that_save_wrote(tmp_path, placement):
     with pytest.raises(gl.GadgetFileNotFoundError) as info:
         gl.DataGadget(str(tmp_path / "nothing"), placement=placement)
     assert "exists" not in str(info.value)
+
+
+# ------------------------- rolling back to a state saved before an option turned state on
+def _lazy_sgd_reference(w0, ids, lr, momentum_from):
+    """SGD over a whole table with lazy rows: plain steps before ``momentum_from``, then
+    momentum 0.9 with buffers starting at zero (torch's first buffer is the gradient)."""
+    w = w0.clone()
+    buf = torch.zeros_like(w)
+    for n, (batch, square) in enumerate(ids):
+        u, c = batch.unique(return_counts=True)
+        g = (2 * w[u] if square else torch.ones_like(w[u])) * c[:, None].to(w.dtype)
+        if n >= momentum_from:
+            buf[u] = 0.9 * buf[u] + g
+            g = buf[u]
+        w[u] -= lr * g
+    return w
+
+
+@pytest.mark.parametrize("placement", MEMORY_PLACEMENTS)
+@pytest.mark.parametrize("how", ["state_dict", "npy", "hdf5", "zarr"])
+def test_rollback_to_state_saved_before_momentum_came_on(placement, how, tmp_path):
+    """torch loads a state saved with momentum 0 into an optimizer whose momentum is on now:
+    the options load with it and the buffers start afresh. Session 47 refused it."""
+    import copy
+
+    if how in ("hdf5", "zarr"):
+        pytest.importorskip({"hdf5": "h5py", "zarr": "zarr"}[how])
+    torch.manual_seed(1)
+    e = gl.OffloadedEmbedding(12, 4, placement=placement, device=DEVICE, dtype=torch.float64)
+    w0 = torch.as_tensor(e.table.getNumpyVersion()).clone()
+    opt = gl.OffloadedOptimizer(torch.optim.SGD, e, lr=0.1, momentum=0.0)
+    ids = [torch.tensor([1, 2, 2]), torch.tensor([3, 1]), torch.tensor([5, 2, 11])]
+    e(ids[0].to(DEVICE)).sum().backward()
+    opt.step()
+    if how == "state_dict":
+        saved = (copy.deepcopy(e.state_dict()), copy.deepcopy(opt.state_dict()))
+    else:
+        gl.save_checkpoint(tmp_path / "ck", {"e": e, "o": opt}, format=how)
+    opt.param_groups[0]["momentum"] = 0.9  # a scheduler turns momentum on
+    e(ids[1].to(DEVICE)).sum().backward()
+    opt.step()
+    assert opt.state_dict()["tables"][0]["momentum_buffer"].any()
+    if how == "state_dict":
+        e.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+    else:
+        gl.load_checkpoint(tmp_path / "ck", {"e": e, "o": opt})
+    assert opt.param_groups[0]["momentum"] == 0.0  # the saved options came back
+    assert not opt.state_dict()["tables"][0]["momentum_buffer"].any()
+    opt.param_groups[0]["momentum"] = 0.9
+    for batch in ids[1:]:
+        (e(batch.to(DEVICE)) ** 2).sum().backward()
+        opt.step()
+    expected = _lazy_sgd_reference(
+        w0, [(ids[0], False), (ids[1], True), (ids[2], True)], 0.1, momentum_from=1
+    )
+    np.testing.assert_allclose(e.table.getNumpyVersion(), expected.numpy(), rtol=0, atol=1e-12)
+
+
+def test_state_missing_what_its_own_options_keep_is_still_refused():
+    """A state whose saved options keep momentum buffers but that holds none (made by hand)
+    is refused, and nothing changes."""
+    import copy
+
+    e = gl.OffloadedEmbedding(12, 4, placement="cpu")
+    opt = gl.OffloadedOptimizer(torch.optim.SGD, e, lr=0.1, momentum=0.9)
+    e(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    del sd["tables"][0]["momentum_buffer"]
+    before = opt.state_dict()
+    with pytest.raises(gl.GadgetValueError, match="momentum_buffer"):
+        opt.load_state_dict(sd)
+    after = opt.state_dict()
+    assert torch.equal(
+        before["tables"][0]["momentum_buffer"], after["tables"][0]["momentum_buffer"]
+    )
+
+
+# ------------------------------------------------- a zarr array resized in place: refused
+@pytest.mark.parametrize("zarr_format", [2, 3])
+@pytest.mark.parametrize("writable", [True, False])
+def test_zarr_file_table_refuses_an_array_resized_in_place(tmp_path, zarr_format, writable):
+    zarr = pytest.importorskip("zarr")
+    path = str(tmp_path / "r.zarr")
+    values = np.arange(1000 * 8, dtype=np.float32).reshape(1000, 8)
+    z = zarr.open_array(
+        path, mode="w", shape=values.shape, chunks=(64, 8), dtype="f4", zarr_format=zarr_format
+    )
+    z[:] = values
+    g = gl.DataGadget(path, placement="file", cache_bytes=0, writable=writable, device=DEVICE)
+    np.testing.assert_array_equal(g.getData([900]).cpu().numpy(), values[[900]])
+    z.attrs["note"] = "attributes only"  # the metadata file is rewritten, same array
+    np.testing.assert_array_equal(g.getData([900, 3]).cpu().numpy(), values[[900, 3]])
+    zarr.open_array(path, mode="a").resize((500, 8))
+    with pytest.raises(gl.GadgetFileError, match=r"shape \[500, 8\], where it had \[1000, 8\]"):
+        g.getData([900])
+    with pytest.raises(gl.GadgetFileError, match="changed since this table opened it"):
+        g.getData([3])  # for good: not only the rows past the new end
+    if writable:
+        with pytest.raises(gl.GadgetFileError):
+            g.insertData(torch.ones(1, 8), [5])
+    np.testing.assert_array_equal(zarr.open_array(path, mode="r")[:500], values[:500])
+    again = gl.DataGadget(path, placement="file", device=DEVICE)
+    assert again.shape == (500, 8)

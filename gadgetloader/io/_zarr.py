@@ -316,6 +316,12 @@ class ZarrSource(ArraySource):
         #: it replaces this folder
         folder = os.path.join(self.path, dataset) if dataset else self.path
         self.watch_paths = (folder,)
+        #: the array's metadata file: a change in place (``resize``) keeps the folder
+        self.meta_paths = tuple(
+            p
+            for p in (os.path.join(folder, n) for n in ("zarr.json", ".zarray"))
+            if os.path.isfile(p)
+        )[:1]
         self.identity: tuple[Any, ...] = ("zarr", os.path.realpath(folder))
         where = f"{self.path}[{dataset!r}]" if dataset else self.path
         marked = arr.attrs.get(DTYPE_ATTR) == "bfloat16"

@@ -20,6 +20,7 @@ file lazily, and a copy inherited through ``fork`` reopens it in the new process
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 import weakref
@@ -122,6 +123,23 @@ _ELEMENTWISE: tuple[Any, ...] = (
 def _file_id(path: str) -> tuple[int, int]:
     st = os.stat(path)
     return (st.st_dev, st.st_ino)
+
+
+def _meta_stamp(path: str) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _meta_content(path: str) -> Any:
+    """A metadata file's JSON without its user attributes (zarr v3 keeps them inside)."""
+    try:
+        with open(path, "rb") as f:
+            content = json.load(f)
+    except (OSError, ValueError) as exc:
+        return f"unreadable ({exc})"
+    if isinstance(content, dict):
+        content.pop("attributes", None)
+    return content
 
 
 def _pin(paths: tuple[str, ...]) -> list[int]:
@@ -269,6 +287,11 @@ class FileStore(Store):
         self._ident = tuple(_file_id(p) for p in self._watch_paths)
         st = os.stat(self._watch_paths[0])
         self._size0 = st.st_size if self._format == "npy" else None
+        #: metadata files whose change in place (a zarr ``resize``) changes the table:
+        #: [path, stamp, content] each, the content read again only when the stamp moves
+        self._metas = [
+            [p, _meta_stamp(p), _meta_content(p)] for p in getattr(source, "meta_paths", ())
+        ]
         self._reset_process_state()
         self._watch()
 
@@ -312,6 +335,8 @@ class FileStore(Store):
         try:
             for path, ident in zip(self._watch_paths, self._ident, strict=True):
                 self._check_one(path, ident)
+            for meta in self._metas:
+                self._check_meta(meta)
         except GadgetFileError as exc:
             # for good: the file (and its inode, see _pin) is let go, so a file made later
             # under the name, even on the same inode, is never taken for it
@@ -338,6 +363,33 @@ class FileStore(Store):
                 f"{self._path} shrank from {self._size0} to {st.st_size} bytes since this table "
                 "opened it (rewritten in place?); open it again"
             )
+
+    def _check_meta(self, meta: list[Any]) -> None:
+        """Refuse a table whose metadata file changed what it describes (shape, chunks,
+        dtype, codecs: a zarr ``resize`` in place) since the table opened it."""
+        path, stamp, content = meta
+        try:
+            now = _meta_stamp(path)
+        except OSError as exc:
+            raise GadgetFileError(
+                f"{path} is gone ({exc.strerror}); this file-backed table cannot read or "
+                "write it any more"
+            ) from exc
+        if now == stamp:
+            return
+        new = _meta_content(path)
+        if new != content:
+            shape = new.get("shape") if isinstance(new, dict) else None
+            what = (
+                f"shape {shape}, where it had {list(self.shape)}"
+                if isinstance(shape, list) and shape != list(self.shape)
+                else "other chunks, dtype or codecs"
+            )
+            raise GadgetFileError(
+                f"{self._path} changed since this table opened it: its metadata ({path}) now "
+                f"describes another array ({what}); open it again"
+            )
+        meta[1] = now  # rewritten with the same content (attributes only)
 
     def file_replaced(self) -> bool:
         """Whether the path now names another file than the one this store opened."""

@@ -790,18 +790,31 @@ def load_checkpoint(
         }
         inner = entry["meta"].get("inner") if isinstance(entry["meta"], Mapping) else None
         saved_groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
-        if kind == "optimizer_switch" and found:
+        if kind == "optimizer_switch" and (found or set(tables) - set(entry["tables"])):
             # the torch optimizer is an object of its own (its saved options load with it):
-            # a state table is allowed if its options, with any that are off turned on, keep it
+            # a state table is allowed if its options, with any that are off turned on, keep
+            # it, and may be missing if its options (as they are now) do not keep it
             saved_groups = obj._need_pager().optimizer.state_dict()["param_groups"]
         extra = {
             t: v
             for t, v in found.items()
             if v is not None and v[1] in v[0].extra_keys_allowed(saved_groups)
         }
+        # it may lack state its saved options do not keep (saved before a scheduler turned
+        # momentum on): torch drops such state, so those tables start afresh
+        missing = {
+            t: _pager_for(obj, t)
+            for t in set(tables) - set(entry["tables"])
+            if kind in ("offloaded_optimizer", "optimizer_switch")
+        }
+        resets = {
+            t: v
+            for t, v in missing.items()
+            if v is not None and v[1] in v[0].missing_keys_allowed(saved_groups)
+        }
         if (
             kind != entry["kind"]
-            or not set(tables) <= set(entry["tables"])
+            or len(resets) != len(set(tables) - set(entry["tables"]))
             or len(extra) != len(set(entry["tables"]) - set(tables))
         ):
             # another kind of object is a type error (and, as before, a value error);
@@ -860,12 +873,12 @@ def load_checkpoint(
                 _check_shape(pager.table_shape(), path, fmt, dtype)
             else:
                 _check_table(tables[tname], path, fmt)
-        plan.append((obj, kind, tables, meta, files, extra))
+        plan.append((obj, kind, tables, meta, files, extra, resets))
     if verify:  # a damaged chunk raises here, before anything below changes an object
-        for *_, files, _ in plan:
+        for *_, files, _, _ in plan:
             for path in files.values():
                 _verify_rows(path, fmt)
-    for obj, kind, tables, meta, files, extra in plan:
+    for obj, kind, tables, meta, files, extra, resets in plan:
         for tname, (pager, key) in extra.items():
             first = next(iter(pager.tables.values()), None)
             tables[tname] = pager.add_row_key(
@@ -890,6 +903,8 @@ def load_checkpoint(
             switch_pager = obj._need_pager()
         for tname, path in files.items():
             tables[tname].load(path, format=fmt)
+        for pager, key in resets.values():
+            pager.reset_row_keys([key])
         if switch_pager is not None:
             switch_pager.set_scalar_state(meta["scalars"])
         elif kind == "offloaded_optimizer":

@@ -1623,13 +1623,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for pager in self.pagers:
             pager.follow_hyper()  # state a scheduler turned on since construction has its table
         writes = []
+        resets = []
         for pager, tables in zip(self.pagers, state_dict["tables"], strict=True):
             # the state dict may hold more state than this optimizer has turned on yet (a
-            # scheduler's momentum): torch keeps such state, so it gets its table
+            # scheduler's momentum): torch keeps such state, so it gets its table; it may
+            # lack state its saved options do not keep (saved before momentum came on):
+            # torch drops such state, so its table starts afresh
             saved_groups = (state_dict.get("inner") or {}).get("param_groups")
             if (
                 not isinstance(tables, dict)
-                or not set(pager.tables) <= set(tables)
+                or not set(pager.tables) - set(tables) <= pager.missing_keys_allowed(saved_groups)
                 or not set(tables) - set(pager.tables) <= pager.extra_keys_allowed(saved_groups)
             ):
                 got = sorted(tables, key=str) if isinstance(tables, dict) else type(tables).__name__
@@ -1661,7 +1664,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 if table is not None:
                     table.store.check_open()  # a closed state table: nothing is loaded
                 writes.append((pager, key, t, first))
+            resets.append((pager, set(pager.tables) - set(tables)))
         self._load_inner(state_dict["inner"])
+        for pager, keys in resets:
+            pager.reset_row_keys(keys)
         for pager, key, t, first in writes:
             table = pager.tables.get(key)
             if table is None:

@@ -785,37 +785,68 @@ class StatePager:
             self.generation += 1  # state rows gathered before this are stale
         return changed
 
+    def _saved_hyper(self, saved_groups: Any) -> dict[str, Any] | None:
+        """This parameter's options in a saved ``param_groups`` list (torch's state-dict
+        form: ``params`` as indices), or None where they cannot be found."""
+        flat = [p for g in _quiet_groups(self.optimizer) for p in g["params"]]
+        index = next((i for i, p in enumerate(flat) if p is self.param), None)
+        if index is None or not isinstance(saved_groups, (list, tuple)):
+            return None
+        for g in saved_groups:
+            if isinstance(g, dict) and index in g.get("params", ()):
+                return {k: v for k, v in g.items() if k != "params"}
+        return None
+
+    def missing_keys_allowed(self, saved_groups: Any) -> set[str]:
+        """State tables this parameter has that a saved state may lack: those its saved
+        options (``saved_groups``) do not keep, e.g. ``momentum_buffer`` in a state saved
+        with momentum 0 before a scheduler turned it on. Torch loads such a state (the
+        options load with it) and starts that state afresh if the option comes on again;
+        :meth:`reset_row_keys` does the same to the tables."""
+        hyper = self._saved_hyper(saved_groups)
+        if hyper is None:
+            return set()
+        try:
+            keeps = set(
+                probe_state(self.optimizer, self.param, hyper, dtype=self._param_dtype).row_keys
+            )
+        except Exception:  # noqa: BLE001 - options a step refuses: refused elsewhere
+            return set()
+        return set(self.tables) - keeps
+
+    def reset_row_keys(self, keys: Any) -> None:
+        """Refill the state tables ``keys`` with a fresh row's state (a loaded state did
+        not hold them: see :meth:`missing_keys_allowed`)."""
+        row_shape = tuple(self.param.shape[1:])
+        for key in keys:
+            _fill_state(self.tables[key], self.layout.init_rows[key], row_shape)
+        self._fused = None
+        self.generation += 1
+
     def extra_keys_allowed(self, saved_groups: Any) -> set[str]:
         """Row-state keys that a saved ``param_groups`` list (torch's state-dict form:
         ``params`` as indices) would make torch keep for this parameter beyond the tables
         it has now, e.g. ``momentum_buffer`` when the saved momentum is on."""
-        flat = [p for g in _quiet_groups(self.optimizer) for p in g["params"]]
-        index = next((i for i, p in enumerate(flat) if p is self.param), None)
-        if index is None or not isinstance(saved_groups, (list, tuple)):
+        hyper = self._saved_hyper(saved_groups)
+        if hyper is None:
             return set()
-        for g in saved_groups:
-            if isinstance(g, dict) and index in g.get("params", ()):
-                hyper = {k: v for k, v in g.items() if k != "params"}
-                keys: set[str] = set()
-                # as saved, and with each option that is off turned on: torch keeps state an
-                # option made (a momentum buffer) after the option is turned off again
-                trials = [hyper] + [
-                    {**hyper, k: (True if isinstance(v, bool) else 0.5)}
-                    for k, v in hyper.items()
-                    if (isinstance(v, bool) and not v)
-                    or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
-                ]
-                for trial in trials:
-                    try:
-                        keys |= set(
-                            probe_state(
-                                self.optimizer, self.param, trial, dtype=self._param_dtype
-                            ).row_keys
-                        )
-                    except Exception:  # noqa: BLE001 - a combination torch refuses
-                        continue
-                return keys - set(self.tables)
-        return set()
+        keys: set[str] = set()
+        # as saved, and with each option that is off turned on: torch keeps state an
+        # option made (a momentum buffer) after the option is turned off again
+        trials = [hyper] + [
+            {**hyper, k: (True if isinstance(v, bool) else 0.5)}
+            for k, v in hyper.items()
+            if (isinstance(v, bool) and not v)
+            or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
+        ]
+        for trial in trials:
+            try:
+                keys |= set(
+                    probe_state(self.optimizer, self.param, trial, dtype=self._param_dtype).row_keys
+                )
+            except Exception:  # noqa: BLE001 - a combination torch refuses
+                continue
+        return keys - set(self.tables)
 
     def table_shape(self) -> tuple[int, ...]:
         """The shape of every state table: ``(rows, *row shape)``."""
