@@ -226,3 +226,60 @@ def test_zarr_file_table_refuses_an_array_resized_in_place(tmp_path, zarr_format
     np.testing.assert_array_equal(zarr.open_array(path, mode="r")[:500], values[:500])
     again = gl.DataGadget(path, placement="file", device=DEVICE)
     assert again.shape == (500, 8)
+
+
+# -------------------------- fused SGD with dampening: tables in a group of their own train
+def _need_fused_sgd() -> None:
+    p = torch.zeros(2, device=DEVICE, requires_grad=True)
+    try:
+        torch.optim.SGD([p], lr=0.1, momentum=0.9, fused=True)
+    except (RuntimeError, ValueError) as exc:
+        pytest.skip(f"this torch has no fused SGD on {DEVICE.type}: {exc}")
+
+
+@pytest.mark.parametrize("placement", MEMORY_PLACEMENTS)
+def test_fused_sgd_dampening_with_tables_in_their_own_group(placement):
+    import copy
+
+    _need_fused_sgd()
+
+    torch.manual_seed(0)
+    emb = gl.OffloadedEmbedding(20, 4, placement=placement, device=DEVICE)
+    head = torch.nn.Linear(4, 1).to(DEVICE)
+    head_ref = copy.deepcopy(head)
+    kw = {"lr": 0.1, "momentum": 0.9, "dampening": 0.3, "fused": True}
+    opt = gl.OffloadedOptimizer(
+        torch.optim.SGD, [{"params": emb}, {"params": head.parameters()}], **kw
+    )
+    ref = torch.optim.SGD(head_ref.parameters(), **kw)
+    for _ in range(3):
+        x = emb(torch.tensor([[1, 2, 2], [3, 4, 5]], device=DEVICE)).sum(1)
+        head(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        head_ref(x.detach()).sum().backward()
+        ref.step()
+        ref.zero_grad()
+    for a, b in zip(head.parameters(), head_ref.parameters(), strict=True):
+        assert torch.equal(a, b)  # the head's group stepped as torch's fused SGD steps it
+
+
+def test_fused_sgd_dampening_mixed_in_one_group_is_still_refused():
+    _need_fused_sgd()
+    emb = gl.OffloadedEmbedding(20, 4, placement="cpu")
+    head = torch.nn.Linear(4, 1)
+    opt = gl.OffloadedOptimizer(
+        torch.optim.SGD,
+        [{"params": [emb, *head.parameters()]}],
+        lr=0.1,
+        momentum=0.9,
+        dampening=0.3,
+        fused=True,
+    )
+    before = emb.table.getNumpyVersion().copy()
+    w = head.weight.detach().clone()
+    head(emb(torch.tensor([[1, 2]])).sum(1)).sum().backward()
+    with pytest.raises(gl.GadgetValueError, match="group of their own"):
+        opt.step()
+    np.testing.assert_array_equal(emb.table.getNumpyVersion(), before)
+    assert torch.equal(head.weight.detach(), w)

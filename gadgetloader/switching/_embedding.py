@@ -1241,9 +1241,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     then (the next step starts from the loaded state). An empty lookup (no ids) with a
     backward counts as a lookup: its table's step count moves at the next step, as
     ``SparseAdam``'s does for an empty sparse gradient; no row changes.
-    Fused SGD with momentum gives ordinary parameters a zero momentum buffer before
-    their first step (exactly torch's first step when ``dampening`` is 0; refused
-    otherwise), because torch's fused SGD needs buffers for all parameters or none.
+    Fused SGD with momentum gives ordinary parameters in a table's parameter group a zero
+    momentum buffer before their first step (exactly torch's first step when
+    ``dampening`` is 0; refused otherwise), because torch's fused SGD needs buffers for all
+    of a group's parameters or none; other groups step as torch steps them.
     """
 
     def __init__(

@@ -991,7 +991,7 @@ class StatePager:
             if key not in state:
                 state[key] = _snapshot(value)
         if self._fused_momentum:
-            align_fused_sgd(self.optimizer)
+            align_fused_sgd(self.optimizer, self.param)
 
     def store_back(
         self, plan: RowPlan, with_table: tuple[Store, torch.Tensor] | None = None
@@ -1114,22 +1114,27 @@ def _fused_sgd_momentum(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
-def align_fused_sgd(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter of a fused SGD-with-momentum group a momentum buffer.
+def align_fused_sgd(optimizer: torch.optim.Optimizer, param: Any = None) -> None:
+    """Give every parameter of the fused SGD-with-momentum group that holds the paged
+    ``param`` (every such group if None) a momentum buffer.
 
     A paged table's rows always carry one (a fresh row's is zero), and torch's fused SGD
     takes buffers for all of a group's parameters or for none (its first step). A zero
     buffer gives exactly torch's first step when ``dampening`` is 0 (``buf = grad``);
-    with ``dampening`` != 0 there is no exact equivalent, so that case is refused.
+    with ``dampening`` != 0 there is no exact equivalent, so that case is refused. Groups
+    without a paged parameter are torch's own business (each group is one fused call).
 
     Raises
     ------
     GadgetValueError
-        A fused SGD group with ``dampening`` != 0 holds parameters without a buffer.
+        A fused SGD group with ``dampening`` != 0 holds a paged parameter beside
+        parameters without a buffer.
     """
     state = optimizer.state
     for group in _quiet_groups(optimizer):
         if not group.get("fused") or group.get("momentum", 0) == 0:
+            continue
+        if param is not None and not any(p is param for p in group["params"]):
             continue
         missing = [p for p in group["params"] if state.get(p, {}).get("momentum_buffer") is None]
         if not missing:
@@ -1137,9 +1142,10 @@ def align_fused_sgd(optimizer: torch.optim.Optimizer) -> None:
         if group.get("dampening", 0) != 0:
             raise GadgetValueError(
                 "SGD(fused=True, momentum != 0, dampening != 0) cannot train offloaded tables "
-                "beside ordinary parameters (torch's fused SGD needs momentum buffers for all "
-                "of a group's parameters or none, and a zero buffer differs from torch's first "
-                "step when dampening != 0); use fused=False, or dampening=0"
+                "beside ordinary parameters in one parameter group (torch's fused SGD needs "
+                "momentum buffers for all of a group's parameters or none, and a zero buffer "
+                "differs from torch's first step when dampening != 0); put the tables in a "
+                "group of their own, or use fused=False, or dampening=0"
             )
         for p in missing:
             state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
