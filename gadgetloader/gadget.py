@@ -1666,6 +1666,9 @@ class DataGadget:
             self._store.close()
 
     def __enter__(self) -> DataGadget:
+        """``with gadget:`` closes it on the way out; a closed gadget raises
+        :class:`~gadgetloader.GadgetClosedError` here, as a closed file does."""
+        self._store.check_open()
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -1686,8 +1689,9 @@ class DataGadget:
             raise GadgetTypeError(
                 f"a DataGadget with placement {store.placement!r} cannot be pickled (its rows live in "
                 "this process's GPU memory mappings); for DataLoader workers started with 'spawn' "
-                "open the file with placement='file' (each worker reopens it) or use "
-                "placement='cpu'; 'fork' workers inherit the gadget without pickling"
+                "use placement='cpu' (each worker gets a copy of the rows) or, for a table "
+                "read from a file, open the file with placement='file' (each worker reopens "
+                "it); 'fork' workers inherit the gadget without pickling"
             )
         state = self.__dict__.copy()
         state.pop("_owner", None)  # the module that trains it (a weak reference) stays behind

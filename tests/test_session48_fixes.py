@@ -283,3 +283,41 @@ def test_fused_sgd_dampening_mixed_in_one_group_is_still_refused():
         opt.step()
     np.testing.assert_array_equal(emb.table.getNumpyVersion(), before)
     assert torch.equal(head.weight.detach(), w)
+
+
+# ------------------------------------- pickling a dataset with a GPU column names the column
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["cuda", "pinned"])
+def test_pickling_a_dataset_names_its_gpu_column(placement):
+    import copy
+    import pickle
+
+    if not HAS_CUDA:
+        pytest.skip("no CUDA device on this machine")
+    table = gl.DataGadget(np.ones((6, 2), np.float32), placement=placement)
+    ds = gl.GadgetDataset(np.arange(6), table)  # column 0 lives in RAM, column 1 is GPU's
+    with pytest.raises(gl.GadgetTypeError, match=r"column 1: .*placement='cpu'"):
+        pickle.dumps(ds)
+    shallow = copy.copy(ds)  # shares the columns: no pickling
+    assert shallow[[1, 2]][1].shape == (2, 2)
+
+
+def test_pickling_a_dataset_of_cpu_and_file_columns_still_works(tmp_path):
+    import pickle
+
+    np.save(tmp_path / "a.npy", np.arange(12, dtype=np.float32).reshape(6, 2))
+    ds = gl.GadgetDataset(
+        gl.DataGadget(str(tmp_path / "a.npy"), placement="file"), np.arange(6) * 10
+    )
+    back = pickle.loads(pickle.dumps(ds))
+    x, y = back[[4, 1]]
+    np.testing.assert_array_equal(x.cpu().numpy(), [[8, 9], [2, 3]])
+    np.testing.assert_array_equal(y.cpu().numpy(), [40, 10])
+
+
+def test_with_on_a_closed_gadget_raises():
+    g = gl.DataGadget(np.ones((3, 2), np.float32), placement="cpu")
+    with g as same:
+        assert same is g
+    with pytest.raises(gl.GadgetClosedError), g:
+        pass

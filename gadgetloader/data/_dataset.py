@@ -26,6 +26,7 @@ from torch.utils.data._utils.collate import collate, default_collate_fn_map
 from .._device import PLACEMENTS, cuda_available, cupy_available, resolve_device
 from .._errors import (
     GadgetClosedError,
+    GadgetError,
     GadgetIndexError,
     GadgetTypeError,
     GadgetValueError,
@@ -693,6 +694,14 @@ class GadgetDataset(Dataset[Any]):
             g.close()
 
     def __getstate__(self) -> dict[str, Any]:
+        for n, g in enumerate(self._columns):
+            try:
+                g.__getstate__()  # a cuda / pinned column refuses: say which column it is
+            except GadgetError as exc:
+                raise type(exc)(f"GadgetDataset column {n}: {exc}") from None
+        return self._state()
+
+    def _state(self) -> dict[str, Any]:
         # GPU copies of sampler orders stay behind (a spawned worker must not touch CUDA)
         state = self.__dict__.copy()
         state["_windows"] = {}
@@ -709,7 +718,7 @@ class GadgetDataset(Dataset[Any]):
     def __copy__(self) -> GadgetDataset:
         # the columns are shared, and stay the original's to free (see close)
         new = type(self).__new__(type(self))
-        state = self.__getstate__()
+        state = self._state()
         state["_owned"] = []
         new.__setstate__(state)
         return new
