@@ -1666,9 +1666,6 @@ class DataGadget:
             self._store.close()
 
     def __enter__(self) -> DataGadget:
-        """``with gadget:`` closes it on the way out; a closed gadget raises
-        :class:`~gadgetloader.GadgetClosedError` here, as a closed file does."""
-        self._store.check_open()
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -314,10 +314,3 @@ def test_pickling_a_dataset_of_cpu_and_file_columns_still_works(tmp_path):
     np.testing.assert_array_equal(x.cpu().numpy(), [[8, 9], [2, 3]])
     np.testing.assert_array_equal(y.cpu().numpy(), [40, 10])
 
-
-def test_with_on_a_closed_gadget_raises():
-    g = gl.DataGadget(np.ones((3, 2), np.float32), placement="cpu")
-    with g as same:
-        assert same is g
-    with pytest.raises(gl.GadgetClosedError), g:
-        pass
