@@ -266,8 +266,8 @@ def test_fused_sgd_dampening_with_tables_in_their_own_group(placement):
 
 def test_fused_sgd_dampening_mixed_in_one_group_is_still_refused():
     _need_fused_sgd()
-    emb = gl.OffloadedEmbedding(20, 4, placement="cpu")
-    head = torch.nn.Linear(4, 1)
+    emb = gl.OffloadedEmbedding(20, 4, placement="cpu", device=DEVICE)
+    head = torch.nn.Linear(4, 1).to(DEVICE)
     opt = gl.OffloadedOptimizer(
         torch.optim.SGD,
         [{"params": [emb, *head.parameters()]}],
@@ -278,7 +278,7 @@ def test_fused_sgd_dampening_mixed_in_one_group_is_still_refused():
     )
     before = emb.table.getNumpyVersion().copy()
     w = head.weight.detach().clone()
-    head(emb(torch.tensor([[1, 2]])).sum(1)).sum().backward()
+    head(emb(torch.tensor([[1, 2]], device=DEVICE)).sum(1)).sum().backward()
     with pytest.raises(gl.GadgetValueError, match="group of their own"):
         opt.step()
     np.testing.assert_array_equal(emb.table.getNumpyVersion(), before)
@@ -295,11 +295,16 @@ def test_pickling_a_dataset_names_its_gpu_column(placement):
     if not HAS_CUDA:
         pytest.skip("no CUDA device on this machine")
     table = gl.DataGadget(np.ones((6, 2), np.float32), placement=placement)
-    ds = gl.GadgetDataset(np.arange(6), table)  # column 0 lives in RAM, column 1 is GPU's
-    with pytest.raises(gl.GadgetTypeError, match=r"column 1: .*placement='cpu'"):
+    labels = gl.DataGadget(np.arange(6), placement="cpu")
+    ds = gl.GadgetDataset(labels, table)  # column 0 lives in RAM, column 1 is GPU's
+    with pytest.raises(gl.GadgetTypeError, match=r"column 1: .*placement='cpu'") as info:
         pickle.dumps(ds)
+    assert "this dataset placed" not in str(info.value)  # the user's own column
     shallow = copy.copy(ds)  # shares the columns: no pickling
     assert shallow[[1, 2]][1].shape == (2, 2)
+    made = gl.GadgetDataset(np.arange(6), table, placement=placement)
+    with pytest.raises(gl.GadgetTypeError, match=r"column 0: .*this dataset placed"):
+        pickle.dumps(made)  # an array the dataset put on the GPU side: the hint says so
 
 
 def test_pickling_a_dataset_of_cpu_and_file_columns_still_works(tmp_path):
@@ -307,10 +312,9 @@ def test_pickling_a_dataset_of_cpu_and_file_columns_still_works(tmp_path):
 
     np.save(tmp_path / "a.npy", np.arange(12, dtype=np.float32).reshape(6, 2))
     ds = gl.GadgetDataset(
-        gl.DataGadget(str(tmp_path / "a.npy"), placement="file"), np.arange(6) * 10
+        gl.DataGadget(str(tmp_path / "a.npy"), placement="file"), np.arange(6) * 10, placement="cpu"
     )
     back = pickle.loads(pickle.dumps(ds))
     x, y = back[[4, 1]]
     np.testing.assert_array_equal(x.cpu().numpy(), [[8, 9], [2, 3]])
     np.testing.assert_array_equal(y.cpu().numpy(), [40, 10])
-

@@ -698,7 +698,14 @@ class GadgetDataset(Dataset[Any]):
             try:
                 g.__getstate__()  # a cuda / pinned column refuses: say which column it is
             except GadgetError as exc:
-                raise type(exc)(f"GadgetDataset column {n}: {exc}") from None
+                made = any(g is o for o in self._owned)
+                hint = (
+                    " (this dataset placed the column there: GadgetDataset(..., "
+                    "placement='cpu') keeps the columns it makes picklable)"
+                    if made
+                    else ""
+                )
+                raise type(exc)(f"GadgetDataset column {n}: {exc}{hint}") from None
         return self._state()
 
     def _state(self) -> dict[str, Any]:
