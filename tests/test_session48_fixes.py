@@ -319,3 +319,117 @@ def test_pickling_a_dataset_of_cpu_and_file_columns_still_works(tmp_path):
     x, y = back[[4, 1]]
     np.testing.assert_array_equal(x.cpu().numpy(), [[8, 9], [2, 3]])
     np.testing.assert_array_equal(y.cpu().numpy(), [40, 10])
+
+
+# ------------------------------ the rollback's follow-ups (a review of session 48's fixes)
+@pytest.mark.parametrize("how", ["state_dict", "checkpoint"])
+def test_rollback_with_a_closed_table_to_reset_changes_nothing(how, tmp_path):
+    import copy
+
+    def pair(momentum):
+        m = torch.nn.ModuleDict(
+            {
+                "a": gl.OffloadedEmbedding(12, 4, placement="cpu"),
+                "b": gl.OffloadedEmbedding(10, 4, placement="cpu"),
+            }
+        )
+        return m, gl.OffloadedOptimizer(torch.optim.SGD, m, lr=0.1, momentum=momentum)
+
+    def step(m, o):
+        (m["a"](torch.tensor([1, 2])).sum() + m["b"](torch.tensor([3])).sum()).backward()
+        o.step()
+        o.zero_grad()
+
+    m0, o0 = pair(0.0)
+    step(m0, o0)
+    sd = copy.deepcopy(o0.state_dict())
+    gl.save_checkpoint(tmp_path / "ck", {"m": m0, "o": o0})
+    m, o = pair(0.9)
+    step(m, o)
+    buf = o.pagers[0].tables["momentum_buffer"].getNumpyVersion().copy()
+    weights = m["a"].table.getNumpyVersion().copy()
+    o.pagers[1].tables["momentum_buffer"].close()
+    with pytest.raises(gl.GadgetClosedError):
+        if how == "state_dict":
+            o.load_state_dict(sd)
+        else:
+            gl.load_checkpoint(tmp_path / "ck", {"m": m, "o": o})
+    assert [g["momentum"] for g in o.param_groups] == [0.9]
+    np.testing.assert_array_equal(o.pagers[0].tables["momentum_buffer"].getNumpyVersion(), buf)
+    np.testing.assert_array_equal(m["a"].table.getNumpyVersion(), weights)
+
+
+def test_switcher_checkpoint_rollback_takes_the_saved_torch_options(tmp_path):
+    """An optimizer switcher's checkpoint saved before momentum came on loads with the torch
+    optimizer saved beside it, as torch's own load does; training then goes on exactly as
+    lazy SGD with buffers starting at zero."""
+    torch.manual_seed(0)
+    n, d = 20, 4
+    model = torch.nn.ModuleDict({"u": torch.nn.Embedding(6, d, dtype=torch.float64)})
+    emb = model["u"]
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.0)
+    su = gl.ModelFactory(emb, n, d, datatype="float64", placement="cpu")
+    w0 = torch.arange(n * d, dtype=torch.float64).reshape(n, d) / 100
+    su.customInit(lambda t: t.copy_(w0))
+    ou = gl.OptimizerFactory(opt, n, d, model, "u", dtype="float64", placement="cpu")
+    ou.optInit()
+
+    def step(ids):
+        local = su.beforeForwardPass(ids)
+        ou.beforeForwardPass(ids)
+        opt.zero_grad()
+        (emb(local) ** 2).sum().backward()
+        opt.step()
+        su.afterOptimizerStep(ids)
+        ou.afterOptimizerStep(ids)
+
+    ids = [torch.tensor([1, 2, 2]), torch.tensor([3, 1]), torch.tensor([5, 2, 11])]
+    step(ids[0])
+    objects = {"model": model, "opt": opt, "su": su, "ou": ou}
+    gl.save_checkpoint(tmp_path / "ck", objects)
+    opt.param_groups[0]["momentum"] = 0.9
+    step(ids[1])
+    assert "momentum_buffer" in ou.getNumpyVersion()
+    gl.load_checkpoint(tmp_path / "ck", objects)
+    assert opt.param_groups[0]["momentum"] == 0.0
+    assert not ou.getNumpyVersion()["momentum_buffer"].any()
+    opt.param_groups[0]["momentum"] = 0.9
+    for batch in ids[1:]:
+        step(batch)
+    w = w0.clone()
+    buf = torch.zeros_like(w)
+    for k, batch in enumerate(ids):
+        u, c = batch.unique(return_counts=True)
+        g = 2 * w[u] * c[:, None].to(w.dtype)
+        if k:
+            buf[u] = 0.9 * buf[u] + g
+            g = buf[u]
+        w[u] -= 0.1 * g
+    np.testing.assert_allclose(su.getNumpyVersion(), w.numpy(), rtol=0, atol=1e-12)
+
+
+def test_sampler_state_through_numpy_scalars_still_loads():
+    sampler = gl.GadgetSampler(50, batch_size=5, seed=2)
+    state = sampler.state_dict()
+    state.update(
+        drop_last=np.bool_(False),
+        pad=np.bool_(False),
+        order=np.str_("random"),
+        num_rows=np.int64(50),
+    )
+    sampler.load_state_dict(state)
+    bad = dict(state, drop_last=np.int64(0))
+    with pytest.raises(gl.GadgetValueError, match=r"numpy\.int64"):
+        sampler.load_state_dict(bad)
+
+
+def test_zarr_metadata_that_no_longer_parses_says_so(tmp_path):
+    zarr = pytest.importorskip("zarr")
+    path = tmp_path / "r.zarr"
+    z = zarr.open_array(str(path), mode="w", shape=(10, 2), chunks=(5, 2), dtype="f4")
+    z[:] = 1.0
+    g = gl.DataGadget(str(path), placement="file", device=DEVICE)
+    assert g.getData([3]).shape == (1, 2)
+    (path / "zarr.json").write_text("{ not json")
+    with pytest.raises(gl.GadgetFileError, match="is now unreadable"):
+        g.getData([3])

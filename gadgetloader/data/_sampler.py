@@ -154,10 +154,13 @@ def _check_int(value: Any, name: str, *, minimum: int) -> int:
 def _same_kind(mine: Any, theirs: Any) -> bool:
     """Whether a saved setting has the kind of the sampler's own: an int setting wants an
     int (not a bool or a float that equals it), a flag a bool, a name a str."""
-    if isinstance(mine, bool) or isinstance(theirs, bool):
-        return isinstance(mine, bool) and isinstance(theirs, bool)
+    flags = (bool, np.bool_)
+    if isinstance(mine, flags) or isinstance(theirs, flags):
+        return isinstance(mine, flags) and isinstance(theirs, flags)
     if isinstance(mine, int):
         return isinstance(theirs, (int, np.integer))
+    if isinstance(mine, str):
+        return isinstance(theirs, str)  # (NumPy's str_ too)
     return type(mine) is type(theirs)
 
 
@@ -927,8 +930,11 @@ class GadgetSampler(Sampler[Any]):
         for key in keys:
             mine, theirs = getattr(self, f"_{key}"), state_dict.get(key)
             if mine == theirs and not _same_kind(mine, theirs):
+                kind = f"{type(theirs).__module__}.{type(theirs).__qualname__}".removeprefix(
+                    "builtins."
+                )
                 raise GadgetValueError(
-                    f"sampler state's {key} is {theirs!r} ({type(theirs).__name__}); expected "
+                    f"sampler state's {key} is {theirs!r} ({kind}); expected "
                     f"a {type(mine).__name__} as GadgetSampler.state_dict() saves it"
                 )
             if mine != theirs:

@@ -380,14 +380,17 @@ class FileStore(Store):
         new = _meta_content(path)
         if new != content:
             shape = new.get("shape") if isinstance(new, dict) else None
-            what = (
-                f"shape {shape}, where it had {list(self.shape)}"
-                if isinstance(shape, list) and shape != list(self.shape)
-                else "other chunks, dtype or codecs"
-            )
+            if isinstance(new, str):  # the file no longer parses
+                what = f"is now {new}"
+            elif isinstance(shape, list) and shape != list(self.shape):
+                what = (
+                    f"now describes another array (shape {shape}, where it had {list(self.shape)})"
+                )
+            else:
+                what = "now describes another array (other chunks, dtype or codecs)"
             raise GadgetFileError(
-                f"{self._path} changed since this table opened it: its metadata ({path}) now "
-                f"describes another array ({what}); open it again"
+                f"{self._path} changed since this table opened it: its metadata ({path}) "
+                f"{what}; open it again"
             )
         meta[1] = now  # rewritten with the same content (attributes only)
 

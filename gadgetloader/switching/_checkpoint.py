@@ -572,6 +572,19 @@ def _remove(path: str) -> None:
         pass
 
 
+def _saved_groups_of(optimizer: Any, objects: Mapping[str, Any], saved: Mapping[str, Any]) -> Any:
+    """The ``param_groups`` a checkpoint saved for ``optimizer`` (a torch optimizer loaded in
+    the same call), else None."""
+    for name, obj in objects.items():
+        entry = saved.get(name)
+        if obj is optimizer and isinstance(entry, Mapping) and entry.get("kind") == "optimizer":
+            meta = entry.get("meta")
+            sd = meta.get("state_dict") if isinstance(meta, Mapping) else None
+            if isinstance(sd, Mapping):
+                return sd.get("param_groups")
+    return None
+
+
 def _pager_for(obj: Any, tname: str) -> tuple[Any, str] | None:
     """(pager, state key) a checkpoint table name of an optimizer object would belong to."""
     if isinstance(obj, OffloadedOptimizer):
@@ -790,11 +803,15 @@ def load_checkpoint(
         }
         inner = entry["meta"].get("inner") if isinstance(entry["meta"], Mapping) else None
         saved_groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
+        missing_groups = saved_groups
         if kind == "optimizer_switch" and (found or set(tables) - set(entry["tables"])):
             # the torch optimizer is an object of its own (its saved options load with it):
             # a state table is allowed if its options, with any that are off turned on, keep
-            # it, and may be missing if its options (as they are now) do not keep it
-            saved_groups = obj._need_pager().optimizer.state_dict()["param_groups"]
+            # it, and may be missing if the options it loads with (saved in this checkpoint
+            # too, else as they are now) do not keep it
+            torch_opt = obj._need_pager().optimizer
+            saved_groups = torch_opt.state_dict()["param_groups"]
+            missing_groups = _saved_groups_of(torch_opt, objects, saved_objects) or saved_groups
         extra = {
             t: v
             for t, v in found.items()
@@ -810,7 +827,7 @@ def load_checkpoint(
         resets = {
             t: v
             for t, v in missing.items()
-            if v is not None and v[1] in v[0].missing_keys_allowed(saved_groups)
+            if v is not None and v[1] in v[0].missing_keys_allowed(missing_groups)
         }
         if (
             kind != entry["kind"]
@@ -865,6 +882,8 @@ def load_checkpoint(
             obj._probe_saved_groups(meta["inner"], f"checkpoint object {name!r}")
         _refuse_mid_step(name, obj, "loading")
         files = {t: os.path.join(d, f) for t, f in entry["tables"].items()}
+        for pager, key in resets.values():
+            pager.tables[key].store.check_open()  # a closed table to reset: nothing loads
         for tname, path in files.items():
             if tname in extra:
                 pager, key = extra[tname]

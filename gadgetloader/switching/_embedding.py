@@ -1629,7 +1629,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             # the state dict may hold more state than this optimizer has turned on yet (a
             # scheduler's momentum): torch keeps such state, so it gets its table; it may
             # lack state its saved options do not keep (saved before momentum came on):
-            # torch drops such state, so its table starts afresh
+            # torch's load drops such state, and its table starts afresh
             saved_groups = (state_dict.get("inner") or {}).get("param_groups")
             if (
                 not isinstance(tables, dict)
@@ -1665,7 +1665,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 if table is not None:
                     table.store.check_open()  # a closed state table: nothing is loaded
                 writes.append((pager, key, t, first))
-            resets.append((pager, set(pager.tables) - set(tables)))
+            missing = set(pager.tables) - set(tables)
+            for key in missing:
+                pager.tables[key].store.check_open()  # a closed table to reset: nothing loads
+            resets.append((pager, missing))
         self._load_inner(state_dict["inner"])
         for pager, keys in resets:
             pager.reset_row_keys(keys)
