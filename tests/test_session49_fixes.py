@@ -1,8 +1,10 @@
-"""Session 49: sampler batches travel to DataLoader workers inline, not through shared memory."""
+"""Session 49: sampler batches travel to DataLoader workers inline (not through shared
+memory); a truncated HDF5 file is refused by a file table also for rows it has cached."""
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from multiprocessing.reduction import ForkingPickler
 
@@ -79,3 +81,32 @@ def test_workers_receive_the_sampler_batches(context):
     for (x0, y0), (x1, y1) in zip(ref, got, strict=True):
         assert torch.equal(x0, x1) and torch.equal(y0, y1)
         np.testing.assert_array_equal(x1.numpy(), a[y1.numpy()])
+
+
+# ---- HDF5 file tables: a truncated file is refused even when the rows are cached ------------
+@pytest.mark.parametrize("compression", ["gzip", None])
+@pytest.mark.parametrize("wrote", [False, True])
+def test_truncated_hdf5_refused_for_cached_rows(tmp_path, compression, wrote):
+    h5py = pytest.importorskip("h5py")
+    p = str(tmp_path / "t.h5")
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((1000, 4)).astype(np.float32)
+    with h5py.File(p, "w") as f:
+        f.create_dataset("x", data=a, chunks=(100, 4), compression=compression)
+    g = gl.DataGadget(p, placement="file")
+    ref = a.copy()
+    if wrote:  # the table's handle is open for writing: its own writes are no alarm
+        for rows, val in (
+            (np.arange(900, 1000), np.zeros((100, 4), np.float32)),
+            (np.arange(0, 100), rng.standard_normal((100, 4)).astype(np.float32)),
+        ):
+            g.insertData(torch.from_numpy(val), rows.tolist())
+            ref[rows] = val
+    np.testing.assert_array_equal(g.getData(list(range(1000))).numpy(), ref)
+    np.testing.assert_array_equal(g.getData([950, 3]).numpy(), ref[[950, 3]])  # cached
+    with open(p, "r+b") as f:
+        f.truncate(os.path.getsize(p) // 2)
+    for _ in range(2):  # for good, also for rows cached before
+        with pytest.raises(gl.GadgetFileError, match="shr|shorter"):
+            g.getData([950, 3])
+    g.close()

@@ -867,6 +867,35 @@ class Hdf5Source(ArraySource):
                     ) from exc
         return key
 
+    def check_unchanged(self) -> None:
+        """Raise :class:`GadgetFileError` if the open file is now shorter than this handle
+        knows it to be (truncated by another program). A file table calls this on every
+        call, also one served from its cache of rows. A read-only handle on a file another
+        process wrote reopens it (see :meth:`_follow_other_writers`); the handle open for
+        writing compares the file's size with the end HDF5 has allocated (once this
+        handle's own writes are flushed: before, the file may lag behind)."""
+        if self._file is None or self._pid != os.getpid():
+            return  # not open in this process: the next read opens (and checks) the file
+        if self._mode == "r":
+            self._follow_other_writers()
+            return
+        if getattr(self, "_unflushed", False) or getattr(self, "external", False):
+            return
+        with self._guard():
+            if self._file is None:
+                return
+            try:
+                size = os.fstat(self._file.id.get_vfd_handle()).st_size
+                need = int(self._file.id.get_filesize())
+            except Exception:  # a driver without a file descriptor
+                return
+        if size < need:
+            raise GadgetFileError(
+                f"{self.path}: its file is {size} bytes, shorter than the {need} bytes HDF5 "
+                "has allocated in it; it was truncated or rewritten in place since this "
+                "table opened it; open it again"
+            )
+
     def _reading(self, read: Callable[[], Any]) -> Any:
         """Run ``read`` for a read-only handle; if it fails while another process writes
         the file (its state changed meanwhile), reopen and read again (a few times)."""

@@ -337,6 +337,11 @@ class FileStore(Store):
                 self._check_one(path, ident)
             for meta in self._metas:
                 self._check_meta(meta)
+            src = self._src
+            if src is not None and self._pid == os.getpid():
+                check = getattr(src, "check_unchanged", None)
+                if check is not None:  # a file shorter than the open handle knows it (HDF5)
+                    check()
         except GadgetFileError as exc:
             # for good: the file (and its inode, see _pin) is let go, so a file made later
             # under the name, even on the same inode, is never taken for it
