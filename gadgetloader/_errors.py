@@ -23,6 +23,7 @@ __all__ = [
     "GadgetFileNotFoundError",
     "GadgetIndexError",
     "GadgetKeyError",
+    "GadgetMemoryError",
     "GadgetTypeError",
     "GadgetValueError",
     "MissingDependencyError",
@@ -84,6 +85,31 @@ class ReadOnlyError(GadgetError, PermissionError):
 class GadgetClosedError(GadgetError, RuntimeError):
     """Use of a store or gadget after ``close()`` (or of a ``GadgetLoader`` pass that a newer
     one has replaced, with persistent workers)."""
+
+
+class GadgetMemoryError(GadgetError, MemoryError):
+    """A table that does not fit in the memory of its placement (host RAM or the GPU's):
+    the message names the table's shape, dtype and bytes."""
+
+
+def allocation_error(
+    exc: BaseException, shape: tuple[int, ...], dtype: object, where: str, hint: str
+) -> GadgetMemoryError | None:
+    """A :class:`GadgetMemoryError` for ``exc`` if it is an allocator's out-of-memory
+    error (torch's ``OutOfMemoryError``, a ``MemoryError``, or the CPU allocator's
+    ``RuntimeError``), else None."""
+    text = str(exc)
+    oom = isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+    if not oom and not (
+        isinstance(exc, RuntimeError)
+        and ("can't allocate memory" in text or "out of memory" in text.lower())
+    ):
+        return None
+    nbytes = math.prod(shape) * int(getattr(dtype, "itemsize", 0))
+    return GadgetMemoryError(
+        f"a {tuple(shape)} {str(dtype).replace('torch.', '')} table ({nbytes:,} bytes) does not "
+        f"fit in {where} ({type(exc).__name__}: {text.splitlines()[0] if text else ''}); {hint}"
+    )
 
 
 class MissingDependencyError(GadgetError, ImportError):

@@ -510,8 +510,8 @@ def _model_and_opt(placement):
     [
         ("differentiable", True, "differentiable=True\\) cannot be paged"),
         ("betas", (0.9,), "expected 2 values"),
-        ("betas", (2.0, 2.0), "could not build a Adam like the given one"),
-        ("weight_decay", -1.0, "could not build a Adam like the given one"),
+        ("betas", (2.0, 2.0), "could not build an Adam like the given one"),
+        ("weight_decay", -1.0, "could not build an Adam like the given one"),
         ("amsgrad", "yes", "expected True or False"),
     ],
 )

@@ -110,3 +110,84 @@ def test_truncated_hdf5_refused_for_cached_rows(tmp_path, compression, wrote):
         with pytest.raises(gl.GadgetFileError, match="shr|shorter"):
             g.getData([950, 3])
     g.close()
+
+
+# ---- a table that does not fit its placement's memory: GadgetMemoryError ----------------------
+def _too_big(make):
+    with pytest.raises(gl.GadgetMemoryError) as info:
+        make()
+    err = info.value
+    assert isinstance(err, MemoryError) and isinstance(err, gl.GadgetError)
+    return str(err)
+
+
+def test_host_table_too_big_for_ram():
+    msg = _too_big(lambda: gl.DataGadget((10**12, 128), dtype="float32", placement="cpu"))
+    assert "(1000000000000, 128) float32" in msg and "512,000,000,000,000 bytes" in msg
+    assert "host RAM" in msg and "placement='file'" in msg
+    msg = _too_big(lambda: gl.OffloadedEmbedding(10**12, 128, placement="cpu", device="cpu"))
+    assert "512,000,000,000,000 bytes" in msg
+    msg = _too_big(lambda: gl.DataGadget((10**11, 128), dtype="bfloat16", placement="cpu"))
+    assert "bfloat16" in msg and "25,600,000,000,000 bytes" in msg
+    # a table that fits is still made
+    assert gl.DataGadget((4, 2), dtype="float32", placement="cpu").shape == (4, 2)
+
+
+@pytest.mark.gpu
+def test_cuda_table_too_big_for_the_gpu():
+    msg = _too_big(lambda: gl.DataGadget((10**12, 128), dtype="float32", placement="cuda"))
+    assert "512,000,000,000,000 bytes" in msg and "placement='pinned'" in msg
+
+
+# ---- messages ------------------------------------------------------------------------------------
+def test_option_refused_by_the_optimizer_is_a_value_error():
+    emb = gl.OffloadedEmbedding(20, 4, placement="cpu", device="cpu")
+    emb2 = gl.OffloadedEmbedding(20, 4, placement="cpu", device="cpu")
+    opt = gl.OffloadedOptimizer(torch.optim.Adam, emb, lr=0.1)
+    with pytest.raises(gl.GadgetValueError, match="could not build an Adam"):
+        opt.add_param_group({"params": emb2, "lr": -1.0})
+    sd = opt.state_dict()
+    sd["inner"]["param_groups"][0]["lr"] = -1.0
+    with pytest.raises(gl.GadgetValueError, match="could not build an Adam"):
+        opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 0.1
+
+
+@pytest.mark.filterwarnings("ignore::gadgetloader.FallbackWarning")
+def test_switcher_id_mismatch_names_the_ids():
+    model = torch.nn.Module()
+    model.u = torch.nn.Embedding(4, 3)
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    sw = gl.ModelFactory(model.u, 20, 3)
+    sw.zerosInit()
+    osw = gl.OptimizerFactory(opt, 20, 3, model, "u")
+    osw.optInit()
+    ids = torch.tensor([1, 2])
+    local = sw.beforeForwardPass(ids)
+    osw.beforeForwardPass(ids)
+    model.u(local).sum().backward()
+    opt.step()
+    with pytest.raises(
+        gl.GadgetValueError, match=r"here 2 rows: ids \[7, 8\]; loaded 2 rows: ids \[1, 2\]"
+    ):
+        sw.afterOptimizerStep(torch.tensor([7, 8]))
+    with pytest.raises(
+        gl.GadgetValueError, match=r"here 8 rows: ids \[7, 8, 9, 10, 11, 12, \.\.\.\]"
+    ):
+        osw.afterOptimizerStep(torch.arange(7, 15))
+    sw.afterOptimizerStep(ids)  # the right ids still go back
+    osw.afterOptimizerStep(ids)
+
+
+def test_dataset_with_a_reloaded_column_says_so_for_any_ids(tmp_path):
+    np.save(tmp_path / "a12.npy", np.ones((12, 2), np.float32))
+    col = gl.DataGadget(np.zeros((10, 2), np.float32), placement="cpu")
+    ds = gl.GadgetDataset(col, device="cpu")
+    col.load(str(tmp_path / "a12.npy"))
+    for idx in ([0, 11], [0, 1], 11, 0, torch.tensor([0, 11]), np.array([3])):
+        with pytest.raises(
+            gl.GadgetValueError, match="column 0 now has 12 rows but the dataset was built with 10"
+        ):
+            ds[idx]
+    with pytest.raises(gl.GadgetValueError, match="now has 12 rows"):
+        ds.__getitems__([0, 11])

@@ -379,7 +379,24 @@ class GadgetDataset(Dataset[Any]):
         bound = sampler_ids_bound(indices)
         if bound is not None and bound <= self._num_rows:
             return self._gather(indices, own=True)
-        return self._gather(_checked_ids(indices, self._num_rows), own=False)
+        try:
+            ids = _checked_ids(indices, self._num_rows)
+        except GadgetIndexError:
+            self._check_row_counts()  # a column reloaded to another row count says so
+            raise
+        return self._gather(ids, own=False)
+
+    def _check_row_counts(self) -> None:
+        """Raise if a column was reloaded (``loadCupy`` / ``load``) with another number of
+        rows than the dataset was built with."""
+        for i, g in enumerate(self._columns):
+            n = g.store.shape[0]
+            if n != self._num_rows:
+                raise GadgetValueError(
+                    f"column {i} now has {n} rows but the dataset was built with "
+                    f"{self._num_rows}; its columns must keep one row count (build a new "
+                    "GadgetDataset after reloading a column)"
+                )
 
     def _gather(self, ids: torch.Tensor, *, own: bool) -> GadgetBatch:
         """One gather per column of checked int64 ``ids``; ``own``: a sampler's own ids
@@ -429,12 +446,7 @@ class GadgetDataset(Dataset[Any]):
             store = g.store
             store.check_open()
             if store.shape[0] != self._num_rows:
-                # the column was reloaded (loadCupy / load) with another number of rows
-                raise GadgetValueError(
-                    f"column {i} now has {store.shape[0]} rows but the dataset was built with "
-                    f"{self._num_rows}; its columns must keep one row count (build a new "
-                    "GadgetDataset after reloading a column)"
-                )
+                self._check_row_counts()
             if (
                 target.type == "cpu"
                 and _worker_info() is not None
@@ -502,6 +514,7 @@ class GadgetDataset(Dataset[Any]):
         if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
             i, n = int(index), self._num_rows
             if not -n <= i < n:
+                self._check_row_counts()
                 raise GadgetIndexError(
                     f"index {i} is out of range for a dataset of {n} rows (an int index, as in "
                     f"Python, must be in [-{n}, {n - 1}])"
@@ -539,7 +552,11 @@ class GadgetDataset(Dataset[Any]):
                 "DataLoader(ds, sampler=sampler, batch_size=None)"
             )
         if type(indices) is list and indices:
-            ids = self._list_ids(indices)
+            try:
+                ids = self._list_ids(indices)
+            except GadgetIndexError:
+                self._check_row_counts()
+                raise
             if ids is not None:
                 return [self._gather(ids, own=False)]
         return [self._read(indices)]

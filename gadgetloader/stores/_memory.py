@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._errors import allocation_error
 from ._base import Store, _cuda_usable
 
 __all__ = ["CpuStore", "CudaStore", "rows_by_value"]
@@ -23,7 +24,19 @@ class CpuStore(Store):
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         super().__init__(shape, dtype)
-        self._t: torch.Tensor | None = torch.zeros(self.shape, dtype=dtype, device="cpu")
+        try:
+            self._t: torch.Tensor | None = torch.zeros(self.shape, dtype=dtype, device="cpu")
+        except (RuntimeError, MemoryError) as exc:
+            err = allocation_error(
+                exc,
+                self.shape,
+                dtype,
+                "host RAM",
+                "a file-backed table (DataGadget(path, placement='file')) keeps one larger than RAM",
+            )
+            if err is None:
+                raise
+            raise err from exc
 
     def host_view(self) -> torch.Tensor | None:
         return self._t
@@ -81,7 +94,19 @@ class CudaStore(Store):
     ) -> None:
         super().__init__(shape, dtype)
         dev = device if device is not None and device.type == "cuda" else torch.device("cuda")
-        self._t: torch.Tensor | None = torch.zeros(self.shape, dtype=dtype, device=dev)
+        try:
+            self._t: torch.Tensor | None = torch.zeros(self.shape, dtype=dtype, device=dev)
+        except (RuntimeError, MemoryError) as exc:  # (torch.OutOfMemoryError is a RuntimeError)
+            err = allocation_error(
+                exc,
+                self.shape,
+                dtype,
+                f"the memory of {dev}",
+                "placement='pinned' keeps a table larger than the GPU's memory in host RAM",
+            )
+            if err is None:
+                raise
+            raise err from exc
 
     def device_view(self) -> torch.Tensor | None:
         return self._t

@@ -33,6 +33,7 @@ from ._rows import (
     RowPlan,
     check_training_placement,
     plan_rows,
+    rows_preview,
     same_rows,
     split_local,
 )
@@ -412,8 +413,7 @@ class ModelSwitch:
         if loaded is None or not same_rows(plan, loaded):
             raise GadgetValueError(
                 "afterOptimizerStep got ids other than those of the last beforeForwardPass "
-                f"({plan.num_rows} rows here, "
-                f"{'none' if loaded is None else loaded.num_rows} loaded); pass the same ids"
+                f"(here {rows_preview(plan)}; loaded {rows_preview(loaded)}); pass the same ids"
             )
         if self.table.__dict__.get("_writes", 0) != self._read_at:
             raise GadgetValueError(

@@ -40,7 +40,7 @@ from ..stores import Store
 from ..stores._base import FusedRows
 from ..stores._base import gather_many as gather_stores
 from ..stores._base import scatter_many as scatter_stores
-from ._rows import PlanCache, exact_plan, same_rows
+from ._rows import PlanCache, exact_plan, rows_preview, same_rows
 from ._torchfile import check_tensor, load_torch_file, save_torch_file, table_tensor
 
 if TYPE_CHECKING:
@@ -444,8 +444,12 @@ def _probe_step(
     try:
         probe_opt = _build_probe(cls, probe, kwargs, own)
     except Exception as exc:
-        raise GadgetTypeError(
-            f"could not build a {cls.__name__} like the given one to find its state ({exc})"
+        # a value the optimizer refuses (lr=-1) is a value error, as the constructor's is
+        kind = GadgetValueError if isinstance(exc, ValueError) else GadgetTypeError
+        name = cls.__name__
+        article = "an" if name[:1].lower() in "aeiou" else "a"
+        raise kind(
+            f"could not build {article} {name} like the given one to find its state ({exc})"
         ) from exc
     # the step reads the group: give it the user's values (a subclass may have rewritten
     # its arguments, or passed them on through **kwargs)
@@ -1477,14 +1481,13 @@ class OptimizerSwitch:
             or (model_loaded is not None and not same_rows(plan, model_loaded))
         ):
             # the state rows would land on other rows than they were read from
-            what = "none" if loaded is None else f"{loaded.num_rows}"
             raise GadgetValueError(
                 "afterOptimizerStep got ids other than those its beforeForwardPass loaded "
-                f"({plan.num_rows} rows here, {what} loaded"
+                f"(here {rows_preview(plan)}; loaded {rows_preview(loaded)}"
                 + (
                     ""
                     if model_loaded is None
-                    else f", {model_loaded.num_rows} in the model switcher"
+                    else f"; in the model switcher {rows_preview(model_loaded)}"
                 )
                 + "); pass the same ids to both switchers' beforeForwardPass and afterOptimizerStep"
             )

@@ -178,6 +178,16 @@ def same_rows(a: RowPlan, b: RowPlan) -> bool:
     return a is b or (a.ids.shape == b.ids.shape and bool(torch.equal(a.ids, b.ids)))
 
 
+def rows_preview(plan: RowPlan | None, k: int = 6) -> str:
+    """``plan``'s rows for an error message: their count and first ``k`` ids."""
+    if plan is None:
+        return "none"
+    ids = exact_plan(plan).ids
+    head = ", ".join(str(int(v)) for v in ids[:k].tolist())
+    more = ", ..." if ids.numel() > k else ""
+    return f"{ids.numel()} rows: ids [{head}{more}]"
+
+
 def exact_plan(plan: RowPlan) -> RowPlan:
     """``plan`` without padding rows: a plan sized on the GPU has its count read back (one
     synchronisation) and its ids cut to the distinct ones; other plans come back as they are."""
