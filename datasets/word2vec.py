@@ -388,15 +388,22 @@ class _OneLineErrors(argparse.ArgumentParser):
 def main(argv: Sequence[str] | None = None) -> int:
     p = _OneLineErrors(prog="python -m datasets.word2vec", description=__doc__.split("\n\n")[0])
     p.add_argument("corpus", help="a text file")
-    p.add_argument("--dim", type=_count("dim"), default=100)
-    p.add_argument("--epochs", type=_count("epochs"), default=1)
-    p.add_argument("--window", type=_count("window"), default=5)
-    p.add_argument("--negatives", type=_count("negatives"), default=5)
+    p.add_argument("--dim", type=_count("dim"), default=100, help="vector width (default 100)")
+    p.add_argument("--epochs", type=_count("epochs"), default=1, help="passes (default 1)")
+    p.add_argument(
+        "--window", type=_count("window"), default=5, help="context words each side (default 5)"
+    )
+    p.add_argument(
+        "--negatives",
+        type=_count("negatives"),
+        default=5,
+        help="negative samples per pair (default 5)",
+    )
     p.add_argument(
         "--batch-size",
         type=_count("batch_size"),
         default=4096,
-        help="(center, context) pairs per step",
+        help="(center, context) pairs per step (default 4096)",
     )
     p.add_argument(
         "--lr",
@@ -404,7 +411,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.01,
         help="Adam's learning rate (default 0.01; small corpora want several --epochs)",
     )
-    p.add_argument("--min-count", type=_count("min_count"), default=1)
+    p.add_argument(
+        "--min-count",
+        type=_count("min_count"),
+        default=1,
+        help="drop words seen fewer times (default 1)",
+    )
     p.add_argument(
         "--placement",
         default=None,
@@ -414,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--device", type=_device, default=None, help="where the model computes: cuda, cuda:N or cpu"
     )
-    p.add_argument("--seed", type=_count("seed"), default=0)
+    p.add_argument("--seed", type=_count("seed"), default=0, help="(default 0)")
     p.add_argument("--out", default=None, help="write OUT.npy and OUT.vocab.txt")
     p.add_argument(
         "--show", default=None, help="comma-separated words: print their nearest neighbours"
@@ -452,12 +464,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             progress=False if args.no_progress else None,
         )
-    except (ValueError, OSError, gl.GadgetError) as exc:
-        print(f"{p.prog}: error: {exc}", file=sys.stderr)
-        return 1
-    except (MemoryError, RuntimeError) as exc:
+    except (MemoryError, ValueError, OSError, RuntimeError, gl.GadgetError) as exc:
         text = str(exc)
-        if not isinstance(exc, MemoryError) and "alloc" not in text and "out of memory" not in text:
+        memory = isinstance(exc, MemoryError) or (
+            isinstance(exc, RuntimeError) and ("alloc" in text or "out of memory" in text)
+        )
+        if not memory:
+            if isinstance(exc, (ValueError, OSError, gl.GadgetError)):
+                print(f"{p.prog}: error: {exc}", file=sys.stderr)
+                return 1
             raise
         first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
         print(

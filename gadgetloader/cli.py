@@ -116,8 +116,17 @@ def _check_json_target(
         return
     if not path:
         parser.error(f"{option}: an empty path; give a file name")
-    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+    if os.path.isdir(path):
         parser.error(f"{option} {path}: is a directory; give a file name")
+    if path.endswith(("/", os.sep)):
+        parser.error(
+            f"{option} {path}: names a directory (it ends with '/'), and there is no such "
+            "directory; give a file name"
+        )
+    # the folder as written must exist (realpath would resolve 'missing/..' without it)
+    raw = os.path.dirname(path) or "."
+    if not os.path.isdir(raw):
+        parser.error(f"{option} {path}: no such directory {raw}")
     # a symbolic link is written through: the folder that must exist is its target's
     folder = os.path.dirname(os.path.realpath(path))
     if not os.path.isdir(folder):

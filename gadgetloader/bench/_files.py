@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from .._device import cuda_available, cupy_available
-from .._errors import FallbackWarning, GadgetKeyError, GadgetValueError
+from .._errors import FallbackWarning, GadgetFileError, GadgetKeyError, GadgetValueError
 from ..io import load_into, open_source
 from ._common import (
     OptionError,
@@ -244,7 +244,12 @@ def _write(
 
     t0 = time.perf_counter()
     if fmt == "npy":
-        np.save(path, table)
+        try:
+            np.save(path, table)
+        except OSError as exc:  # NumPy says only "N requested and M written"
+            raise GadgetFileError(
+                f"cannot write {path}: {exc} (a full disk, or a file size limit?)"
+            ) from exc
     else:
         g = DataGadget(table, placement="cpu")
         opts: dict[str, Any] = {}

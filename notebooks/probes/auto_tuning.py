@@ -11,6 +11,8 @@ for each strategy, and which one ``auto`` kept.
 
 from __future__ import annotations
 
+import _gpu_only  # noqa: F401  (exits on a machine without CUDA, before anything else)
+
 import json
 import sys
 import time

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Black-box checks of gadgetloader's documented (GPU) behaviour.
 
-Written only from README.md, SPEC.md and the public docstrings.  Every check runs in
+Written only from README.md and the public docstrings.  Every check runs in
 its own try/except; results go to argv[1] (default ./blackbox.json), rewritten after
 every check so that a hang (caught by a watchdog) still leaves the results so far.
 Without CUDA the library falls back to the CPU; GPU-only checks are then SKIP.

@@ -13,6 +13,8 @@ expected to abort. Prints ``survived`` or the error.
 
 from __future__ import annotations
 
+import _gpu_only  # noqa: F401  (exits on a machine without CUDA, before anything else)
+
 import gc
 import sys
 from typing import Any

@@ -18,6 +18,8 @@ Usage: python notebooks/probes/gather_dedup.py OUT.json
 
 from __future__ import annotations
 
+import _gpu_only  # noqa: F401  (exits on a machine without CUDA, before anything else)
+
 import json
 import statistics
 import sys

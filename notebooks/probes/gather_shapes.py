@@ -17,6 +17,8 @@ also has an 8 GB / 131,072-id case and the second ``torch_index_copy``, and that
 
 from __future__ import annotations
 
+import _gpu_only  # noqa: F401  (exits on a machine without CUDA, before anything else)
+
 import json
 import sys
 from collections.abc import Callable

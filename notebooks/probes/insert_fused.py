@@ -17,6 +17,8 @@ Usage: python notebooks/probes/insert_fused.py OUT.json
 
 from __future__ import annotations
 
+import _gpu_only  # noqa: F401  (exits on a machine without CUDA, before anything else)
+
 import cProfile
 import io
 import json

@@ -21,6 +21,8 @@ reads it as a grid shape, so there it would time two blocks per SM with 16-byte 
 
 from __future__ import annotations
 
+import _gpu_only  # noqa: F401  (exits on a machine without CUDA, before anything else)
+
 import json
 import sys
 import time

@@ -50,6 +50,8 @@ Further modes (second argument), each a later step of the same session:
 
 from __future__ import annotations
 
+import _gpu_only  # noqa: F401  (exits on a machine without CUDA, before anything else)
+
 import functools
 import json
 import re

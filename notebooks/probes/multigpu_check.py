@@ -4,7 +4,7 @@ cuda:1, device arguments, a table used from both GPUs, pipeline, training, two p
 
 Usage: multigpu_check.py OUT.json [--cpu-dry-run]
 
-Written from README.md, SPEC.md and the public docstrings. Each check runs in try/except
+Written from README.md and the public docstrings. Each check runs in try/except
 and is recorded PASS / FAIL / ERROR / SKIP in OUT.json (rewritten after every check, so a
 hang caught by the watchdog -- 60 s a check, 240 s in all -- keeps the results so far).
 Every check SKIPs with fewer than two GPUs, except under --cpu-dry-run, which runs the same

@@ -99,7 +99,9 @@ print(json.dumps(res))
 
 
 def main() -> None:
-    out_path, specs = sys.argv[1], [a.split("=", 1) for a in sys.argv[2:]]
+    from _ab_args import ab_args
+
+    out_path, specs = ab_args("seed_ab.py")
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name, _ in specs}
     for _ in range(ROUNDS):
         for name, path in specs:

@@ -24,6 +24,8 @@ kernel); that build was not adopted. ``...20c.json``: this probe with the adopte
 
 from __future__ import annotations
 
+import _gpu_only  # noqa: F401  (exits on a machine without CUDA, before anything else)
+
 import json
 import sys
 import time

@@ -19,6 +19,8 @@ rejected").
 # ruff: noqa: B023  (each timed lambda runs inside its loop iteration)
 from __future__ import annotations
 
+import _gpu_only  # noqa: F401  (exits on a machine without CUDA, before anything else)
+
 import ctypes as ct
 import json
 import sys
