@@ -868,33 +868,45 @@ class Hdf5Source(ArraySource):
         return key
 
     def check_unchanged(self) -> None:
-        """Raise :class:`GadgetFileError` if the open file is now shorter than this handle
-        knows it to be (truncated by another program). A file table calls this on every
-        call, also one served from its cache of rows. A read-only handle on a file another
-        process wrote reopens it (see :meth:`_follow_other_writers`); the handle open for
-        writing compares the file's size with the end HDF5 has allocated (once this
-        handle's own writes are flushed: before, the file may lag behind)."""
-        if self._file is None or self._pid != os.getpid():
-            return  # not open in this process: the next read opens (and checks) the file
-        if self._mode == "r":
-            self._follow_other_writers()
+        """Raise :class:`GadgetFileError` if the file of this read-only source shrank and no
+        longer opens (truncated by another program). A file table calls this on every call,
+        also one served from its cache of rows: an open handle on a file that changed is
+        reopened (see :meth:`_follow_other_writers`), and a file that shrank since this
+        source last opened it is opened again even while the source holds no handle (after
+        a fork, or while another table of the file writes). A source open for writing is
+        left to its reads and writes, which check the file's extent (:meth:`_check_extent`):
+        between another table's writes to the same file HDF5's allocation may run ahead
+        of the file. Only the file at :attr:`path` is watched, not an external link's
+        target."""
+        if self._mode != "r":
             return
-        if getattr(self, "_unflushed", False) or getattr(self, "external", False):
-            return
-        with self._guard():
-            if self._file is None:
-                return
+        for attempt in range(_READ_ATTEMPTS):
+            key = self._stat_key()
             try:
-                size = os.fstat(self._file.id.get_vfd_handle()).st_size
-                need = int(self._file.id.get_filesize())
-            except Exception:  # a driver without a file descriptor
+                self._check_read_only(key)
                 return
-        if size < need:
+            except GadgetFileError:
+                # (another process may be writing the file: its state moves meanwhile)
+                if attempt == _READ_ATTEMPTS - 1 or key is None or self._stat_key() == key:
+                    raise
+
+    def _check_read_only(self, key: tuple[int, ...] | None) -> None:
+        if self._file is not None:
+            if self._pid == os.getpid():
+                self._follow_other_writers()
+            return
+        opened = getattr(self, "_opened_key", None)
+        if opened is None or key is None or key[0] != opened[0] or key[1] >= opened[1]:
+            return  # never opened, gone or replaced (the store's checks), or not smaller
+        try:
+            with self._guard():
+                self._dataset()  # HDF5 refuses a file that ends before its own end
+        except GadgetFileError as exc:
             raise GadgetFileError(
-                f"{self.path}: its file is {size} bytes, shorter than the {need} bytes HDF5 "
-                "has allocated in it; it was truncated or rewritten in place since this "
-                "table opened it; open it again"
-            )
+                f"{self.path} changed since this table opened it (it shrank from "
+                f"{opened[1]} to {key[1]} bytes) and no longer holds its rows as they were: "
+                f"truncated, replaced in place, or being written ({exc})"
+            ) from exc
 
     def _reading(self, read: Callable[[], Any]) -> Any:
         """Run ``read`` for a read-only handle; if it fails while another process writes

@@ -200,7 +200,10 @@ class FileStore(Store):
     :class:`~gadgetloader.GadgetFileError` (open the new file with a new table, or
     ``DataGadget.load``) instead of mixing two files' rows; from then on every call does
     (the file is let go, even if it comes back). A program that rewrites the
-    same file in place at the same or a larger size is not detected.
+    same file in place at the same or a larger size is not detected. For HDF5 the
+    truncation check covers rows served from the cache only while the table reads (has
+    not written): a table that has written refuses the file when it next reads or writes
+    it, and an external link's target is watched only through those reads and writes.
     """
 
     placement = "file"
