@@ -119,9 +119,10 @@ def _check_json_target(
     if os.path.isdir(path):
         parser.error(f"{option} {path}: is a directory; give a file name")
     if path.endswith(("/", os.sep)):
+        stem = path.rstrip("/" + os.sep)
+        why = f"{stem} is a file" if os.path.exists(stem) else "that directory does not exist"
         parser.error(
-            f"{option} {path}: names a directory (it ends with '/'), and there is no such "
-            "directory; give a file name"
+            f"{option} {path}: names a directory (it ends with '/'), but {why}; give a file name"
         )
     # the folder as written must exist (realpath would resolve 'missing/..' without it)
     raw = os.path.dirname(path) or "."

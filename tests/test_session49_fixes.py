@@ -220,3 +220,27 @@ def test_dataset_with_a_reloaded_column_says_so_for_any_ids(tmp_path):
             ds[idx]
     with pytest.raises(gl.GadgetValueError, match="now has 12 rows"):
         ds.__getitems__([0, 11])
+
+
+# ---- command line: output paths checked before the run -------------------------------------------
+@pytest.mark.parametrize("how", ["dotdot", "slash_missing", "slash_file"])
+def test_json_target_refused_before_the_run(tmp_path, how, capsys):
+    from gadgetloader.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    target = {
+        "dotdot": str(tmp_path / "nosuch" / ".." / "i.json"),
+        "slash_missing": str(tmp_path / "sub") + "/",
+        "slash_file": str(tmp_path / "afile") + "/",
+    }[how]
+    with pytest.raises(SystemExit) as info:
+        main(["info", "--json", target])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    expect = {
+        "dotdot": "no such directory",
+        "slash_missing": "that directory does not exist",
+        "slash_file": "is a file",
+    }[how]
+    assert expect in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing written
