@@ -112,6 +112,45 @@ def allocation_error(
     )
 
 
+def host_memory_bytes(*, swap: bool = True) -> int | None:
+    """This machine's physical RAM in bytes, plus its swap when ``swap`` (Linux's
+    ``/proc/meminfo``), or None where the OS does not say."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    if ram <= 0:
+        return None
+    if swap:
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("SwapTotal:"):
+                        ram += int(line.split()[1]) * 1024
+                        break
+        except (OSError, ValueError, IndexError):
+            pass
+    return ram
+
+
+def check_fits_in_host(
+    shape: tuple[int, ...], dtype: object, where: str, hint: str, *, swap: bool = True
+) -> None:
+    """Raise :class:`GadgetMemoryError` before allocating a table larger than this
+    machine's RAM (plus swap when ``swap``; page-locked memory cannot be swapped).
+
+    Where the kernel overcommits memory, such an allocation succeeds and the process is
+    killed while the rows are zeroed or page-locked; this check makes it an error."""
+    nbytes = math.prod(shape) * int(getattr(dtype, "itemsize", 0))
+    limit = host_memory_bytes(swap=swap)
+    if limit is not None and nbytes > limit:
+        what = "RAM and swap" if swap else "RAM"
+        raise GadgetMemoryError(
+            f"a {tuple(shape)} {str(dtype).replace('torch.', '')} table ({nbytes:,} bytes) does "
+            f"not fit in {where}: this machine has {limit:,} bytes of {what}; {hint}"
+        )
+
+
 class MissingDependencyError(GadgetError, ImportError):
     """A feature needs an optional package that is not installed."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import warnings
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -103,8 +104,8 @@ def _truncate(p):
 def test_truncated_hdf5_refused_for_cached_rows(tmp_path, compression, forked):
     p, a = _h5_table(tmp_path, compression)
     g = gl.DataGadget(p, placement="file")
-    np.testing.assert_array_equal(g.getData(list(range(1000))).numpy(), a)
-    np.testing.assert_array_equal(g.getData([950, 3]).numpy(), a[[950, 3]])  # cached
+    np.testing.assert_array_equal(g.getData(list(range(1000))).cpu().numpy(), a)
+    np.testing.assert_array_equal(g.getData([950, 3]).cpu().numpy(), a[[950, 3]])  # cached
     if forked:  # a fork (a DataLoader worker) drops the parent's HDF5 handles
         pid = os.fork()
         if pid == 0:
@@ -129,7 +130,7 @@ def test_hdf5_table_that_wrote_refuses_a_truncated_file_when_it_uses_it(tmp_path
     ):
         g.insertData(torch.from_numpy(val), rows.tolist())
         ref[rows] = val
-        np.testing.assert_array_equal(g.getData(list(range(1000))).numpy(), ref)
+        np.testing.assert_array_equal(g.getData(list(range(1000))).cpu().numpy(), ref)
     g.close()
     g = gl.DataGadget(p, placement="file", cache_bytes=0)
     g.insertData(torch.ones(1, 4), [5])
@@ -162,10 +163,49 @@ def test_host_table_too_big_for_ram():
     assert gl.DataGadget((4, 2), dtype="float32", placement="cpu").shape == (4, 2)
 
 
+@pytest.mark.parametrize("placement", ["cpu", "pinned"])
+def test_table_larger_than_the_machine_refused_before_allocating(monkeypatch, placement):
+    # where the kernel overcommits, the allocation itself succeeds and zeroing or
+    # page-locking the rows gets the process killed: the size is checked first
+    import gadgetloader._errors as errors
+
+    seen = []
+
+    def fake(*, swap=True):
+        seen.append(swap)
+        return 1000
+
+    monkeypatch.setattr(errors, "host_memory_bytes", fake)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gl.FallbackWarning)  # pinned on a machine without CUDA
+        msg = _too_big(lambda: gl.DataGadget((100, 4), dtype="float32", placement=placement))
+    assert "(100, 4) float32 table (1,600 bytes)" in msg and "1,000 bytes of" in msg
+    assert "placement='file'" in msg
+    # page-locked memory is never swapped: a pinned table is measured against RAM alone
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gl.FallbackWarning)
+        g = gl.DataGadget((10, 4), dtype="float32", placement=placement)  # 160 bytes: made
+    want_swap = g.placement == "cpu"  # (pinned falls back to cpu without CUDA)
+    assert seen[-1] is want_swap
+    assert ("RAM and swap" in msg) is want_swap
+    assert g.shape == (10, 4) and not g.getNumpyVersion().any()
+    g.close()
+
+
+def test_host_memory_is_known_here():
+    n = gl._errors.host_memory_bytes(swap=False)
+    assert n is None or n >= 1 << 20
+    m = gl._errors.host_memory_bytes()
+    assert m is None or m >= n
+
+
 @pytest.mark.gpu
 def test_cuda_table_too_big_for_the_gpu():
     msg = _too_big(lambda: gl.DataGadget((10**12, 128), dtype="float32", placement="cuda"))
     assert "512,000,000,000,000 bytes" in msg and "placement='pinned'" in msg
+    # a pinned table larger than RAM: refused before it is mapped and page-locked
+    msg = _too_big(lambda: gl.DataGadget((10**11, 128), dtype="bfloat16", placement="pinned"))
+    assert "25,600,000,000,000 bytes" in msg and "page-locked host RAM" in msg
 
 
 # ---- messages ------------------------------------------------------------------------------------

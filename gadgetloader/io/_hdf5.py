@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import threading
+import time
 import weakref
 import zlib
 from collections.abc import Callable, Sequence
@@ -187,6 +188,14 @@ def _release_readers(writer: Hdf5Source) -> bool:
 
 #: the sources' locks held by the forking thread from just before a fork until just after it
 _FORK_HELD: list[threading.RLock] = []
+#: taken by every source while it opens its file, and by a fork's hook from before the fork
+#: until just after it: no handle (with its HDF5 file lock) opens between the hook closing
+#: the handles and the fork -- a child would inherit it, and the lock with it, so that this
+#: process could not open the file for writing again while the child lives. (A source made
+#: in another thread after the hook listed the sources used to slip through.)
+_OPEN_GATE = [threading.Lock()]
+#: whether this fork's hook holds the gate
+_GATE_HELD = [False]
 #: how long a fork waits for a thread busy with one source before copying it as it is
 _FORK_WAIT_S = 5.0
 _FORK_HOOKS = [False]
@@ -199,18 +208,32 @@ def _before_fork() -> None:
     the fork itself: HDF5's list of open files is copied into the child, and a handle open
     there makes the child's own open fail ("file locking flag values don't match" in a
     DataLoader worker, which opens without HDF5's lock)."""
+    _GATE_HELD[0] = _OPEN_GATE[0].acquire(timeout=_FORK_WAIT_S)
     held: list[threading.RLock] = []
     for src in list(_SOURCES):
         try:
             lock = src._guard()
         except Exception:  # noqa: BLE001 - a hook must not fail the fork
             continue
-        if not lock.acquire(timeout=_FORK_WAIT_S):
-            continue  # busy that long: the child opens its own handle
+        if not _lock_for_fork(src, lock):
+            continue  # busy that long, or waiting to open: the child opens its own handle
         held.append(lock)
         with contextlib.suppress(Exception):
             src._drop_handles()
     _FORK_HELD[:] = held
+
+
+def _lock_for_fork(src: Hdf5Source, lock: threading.RLock) -> bool:
+    """Take ``src``'s lock for a fork, waiting up to ``_FORK_WAIT_S`` for a thread using
+    it; give up at once when that thread is waiting for the gate this hook holds to open
+    the file (it has no handle open yet, and would wait for the hook)."""
+    deadline = time.monotonic() + _FORK_WAIT_S
+    while not lock.acquire(timeout=0.005):
+        if (_GATE_HELD[0] and getattr(src, "_awaiting_gate", False)) or (
+            time.monotonic() > deadline
+        ):
+            return False
+    return True
 
 
 def _after_fork_in_parent() -> None:
@@ -218,10 +241,16 @@ def _after_fork_in_parent() -> None:
     _FORK_HELD.clear()
     for lock in reversed(held):
         lock.release()
+    if _GATE_HELD[0]:
+        _GATE_HELD[0] = False
+        _OPEN_GATE[0].release()
 
 
 def _after_fork_in_child() -> None:
     _FORK_HELD.clear()  # the child makes its own locks (Hdf5Source._guard)
+    # and its own gate: the parent's may be held by a thread that the child does not have
+    _OPEN_GATE[0] = threading.Lock()
+    _GATE_HELD[0] = False
 
 
 def _register_fork_hooks() -> None:
@@ -468,6 +497,7 @@ class Hdf5Source(ArraySource):
             )
         self._mode = mode
         self._closed = False
+        self._awaiting_gate = False
         self._lock = threading.RLock()
         self._lock_pid = os.getpid()
         self._file: Any = None
@@ -630,19 +660,22 @@ class Hdf5Source(ArraySource):
             # while it opens is seen at the next read)
             self._opened_key = self._stat_key()
             try:
-                try:
-                    self._file = _h5_open(h5py, self.path, self._mode)
-                except OSError as exc:
-                    # HDF5 refuses 'r+' while this process holds the file open read-only
-                    # (another table of the same file, say); those readers let go of their
-                    # handles and reopen lazily ('r' beside an open 'r+' is allowed)
-                    if not (
-                        self._mode == "r+"
-                        and "already open for read-only" in str(exc)
-                        and _release_readers(self)
-                    ):
-                        raise
-                    self._file = _h5_open(h5py, self.path, self._mode)
+                self._awaiting_gate = True  # (a fork's hook need not wait for this thread)
+                with _OPEN_GATE[0]:  # never between a fork's hook and the fork
+                    self._awaiting_gate = False
+                    try:
+                        self._file = _h5_open(h5py, self.path, self._mode)
+                    except OSError as exc:
+                        # HDF5 refuses 'r+' while this process holds the file open read-only
+                        # (another table of the same file, say); those readers let go of
+                        # their handles and reopen lazily ('r' beside an open 'r+' is allowed)
+                        if not (
+                            self._mode == "r+"
+                            and "already open for read-only" in str(exc)
+                            and _release_readers(self)
+                        ):
+                            raise
+                        self._file = _h5_open(h5py, self.path, self._mode)
             except OSError as exc:
                 text = str(exc).lower()
                 hint = (
@@ -802,6 +835,7 @@ class Hdf5Source(ArraySource):
             _ds=None,
             _lock=None,
             _lock_pid=0,
+            _awaiting_gate=False,
             _pid=0,
             _fd=-1,
             _fd_pid=0,

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import allocation_error
+from .._errors import allocation_error, check_fits_in_host
 from ._base import Store, _cuda_usable
 
 __all__ = ["CpuStore", "CudaStore", "rows_by_value"]
@@ -24,16 +24,12 @@ class CpuStore(Store):
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         super().__init__(shape, dtype)
+        hint = "a file-backed table (DataGadget(path, placement='file')) keeps one larger than RAM"
+        check_fits_in_host(self.shape, dtype, "host RAM", hint)
         try:
             self._t: torch.Tensor | None = torch.zeros(self.shape, dtype=dtype, device="cpu")
         except (RuntimeError, MemoryError) as exc:
-            err = allocation_error(
-                exc,
-                self.shape,
-                dtype,
-                "host RAM",
-                "a file-backed table (DataGadget(path, placement='file')) keeps one larger than RAM",
-            )
+            err = allocation_error(exc, self.shape, dtype, "host RAM", hint)
             if err is None:
                 raise
             raise err from exc

@@ -38,7 +38,7 @@ import torch
 
 from .._device import get_cupy
 from .._dtypes import numpy_dtype
-from .._errors import GadgetValueError, as_choice
+from .._errors import GadgetMemoryError, GadgetValueError, as_choice, check_fits_in_host
 from ._base import Store
 
 __all__ = ["PinnedStore", "HostBuffer"]
@@ -81,11 +81,17 @@ def _map_anonymous(nbytes: int, pages: str) -> mmap.mmap:
         try:
             return mmap.mmap(-1, size, flags=flags)
         except OSError as exc:
-            raise MemoryError(
+            raise GadgetMemoryError(
                 f"could not map {size} bytes of 2 MiB huge pages ({exc}); reserve them first, "
                 f"e.g. sysctl vm.nr_hugepages={size // huge}, or use pages='default'"
             ) from exc
-    mm = mmap.mmap(-1, nbytes)
+    try:
+        mm = mmap.mmap(-1, nbytes)
+    except OSError as exc:  # ENOMEM: the address space or the overcommit limit
+        raise GadgetMemoryError(
+            f"could not map {nbytes:,} bytes of host RAM for a pinned table ({exc}); "
+            "free memory, or use a file-backed table (DataGadget(path, placement='file'))"
+        ) from exc
     if pages == "thp" and hasattr(mmap, "MADV_HUGEPAGE"):
         mm.madvise(mmap.MADV_HUGEPAGE)  # before the pages are touched (registration faults them in)
     return mm
@@ -197,7 +203,7 @@ class HostBuffer:
         try:
             cp.cuda.runtime.hostRegister(self.host_ptr, self.nbytes, flags)
         except Exception as exc:
-            raise MemoryError(
+            raise GadgetMemoryError(
                 f"could not page-lock {self.nbytes} bytes of host RAM for a pinned table "
                 f"({exc}); check `ulimit -l` and free memory, or use placement='cpu'"
             ) from exc
@@ -332,6 +338,14 @@ class PinnedStore(Store):
         pages: str = "default",
     ) -> None:
         super().__init__(shape, dtype)
+        # page-locked memory cannot be swapped out: a table larger than RAM never pins
+        check_fits_in_host(
+            self.shape,
+            dtype,
+            "page-locked host RAM",
+            "a file-backed table (DataGadget(path, placement='file')) keeps one larger than RAM",
+            swap=False,
+        )
         dev = (
             device
             if device is not None and device.type == "cuda"

@@ -1,0 +1,70 @@
+"""Session 50: no HDF5 handle opens between a fork's hook and the fork; a table larger
+than the machine's memory is refused before it is allocated (see test_session49_fixes)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import gadgetloader as gl
+from gadgetloader.io._hdf5 import Hdf5Source
+
+h5py = pytest.importorskip("h5py")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_fork_while_another_thread_opens_an_hdf5_table_for_writing(tmp_path):
+    """A table opened for writing in another thread at the moment of a fork used to slip
+    past the fork's hook: the child inherited its handle and HDF5's lock with it, and this
+    process could no longer open the file for writing while the child lived."""
+    p = str(tmp_path / "t.h5")
+    ref = np.arange(400, dtype=np.float32).reshape(100, 4)
+    with h5py.File(p, "w") as f:
+        f.create_dataset("x", data=ref, chunks=(10, 4))
+    stop = threading.Event()
+    errs: list[BaseException] = []
+    opened = [0]
+
+    def opener():  # a new source opened for writing, again and again (as a table's first write)
+        while not stop.is_set():
+            try:
+                src = Hdf5Source(p, dataset="x", mode="r+")
+                src.close()
+                opened[0] += 1
+            except BaseException as e:  # noqa: BLE001
+                errs.append(e)
+                return
+
+    t = threading.Thread(target=opener, daemon=True)
+    t.start()
+    kids = []
+    try:
+        with warnings.catch_warnings():  # Python 3.12+: fork of a multi-threaded process
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            deadline = time.monotonic() + 20
+            while len(kids) < 100 and not errs and time.monotonic() < deadline:
+                pid = os.fork()
+                if pid == 0:  # a child that outlives the parent's next opens
+                    time.sleep(2.0)
+                    os._exit(0)
+                kids.append(pid)
+    finally:
+        stop.set()
+        t.join(30)
+    try:
+        assert not errs, errs[:1]
+        assert opened[0] > 0 and len(kids) >= 10
+        # while every child lives, this process writes the file through a new table
+        g = gl.DataGadget(p, placement="file", dataset="x", cache_bytes=0)
+        g.insertData(torch.full((1, 4), 7.0), [3])
+        np.testing.assert_array_equal(g.getData([3, 4]).cpu().numpy(), [[7.0] * 4, ref[4]])
+        g.close()
+    finally:
+        codes = [os.waitpid(pid, 0)[1] for pid in kids]
+    assert codes == [0] * len(kids)
