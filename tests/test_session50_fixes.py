@@ -68,3 +68,49 @@ def test_fork_while_another_thread_opens_an_hdf5_table_for_writing(tmp_path):
     finally:
         codes = [os.waitpid(pid, 0)[1] for pid in kids]
     assert codes == [0] * len(kids)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_hdf5_save_in_a_thread_during_a_fork_leaves_the_file_openable(tmp_path):
+    """A child forked while another thread saved a table to HDF5 inherited the new file's
+    HDF5 lock and kept it after the file was renamed into place: the saved file could not
+    be opened, even read-only, while the child lived."""
+    src = gl.DataGadget((40_000, 64), dtype="float32", placement="cpu")
+    src.normal_(generator=torch.Generator().manual_seed(0))
+    want = src.getNumpyVersion()
+    p = str(tmp_path / "ck.h5")
+    kids = []
+    try:
+        for _ in range(4):
+            done = threading.Event()
+            errs: list[BaseException] = []
+
+            def save(done=done, errs=errs):
+                try:
+                    src.save(p, chunk_rows=256, compression="gzip")
+                except BaseException as e:  # noqa: BLE001
+                    errs.append(e)
+                finally:
+                    done.set()
+
+            t = threading.Thread(target=save, daemon=True)
+            t.start()
+            with warnings.catch_warnings():  # Python 3.12+: fork of a multi-threaded process
+                warnings.filterwarnings("ignore", category=DeprecationWarning)
+                while not done.is_set():  # fork again and again while the save runs
+                    pid = os.fork()
+                    if pid == 0:
+                        time.sleep(3.0)
+                        os._exit(0)
+                    kids.append(pid)
+                    time.sleep(0.003)
+            t.join(60)
+            assert not errs, errs[:1]
+            g = gl.DataGadget(p, placement="file")  # while the children live
+            np.testing.assert_array_equal(g.getData([0, 39_999]).cpu().numpy(), want[[0, -1]])
+            g.insertData(torch.full((1, 64), 2.0), [5])
+            g.close()
+            want[5] = 2.0
+    finally:
+        codes = [os.waitpid(pid, 0)[1] for pid in kids]
+    assert kids and codes == [0] * len(kids)

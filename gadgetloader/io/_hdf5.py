@@ -1396,8 +1396,15 @@ class Hdf5Sink(ArraySink):
         self._tmp = temp_path_beside(self.path)
         # no chunk cache: the aligned writes hand HDF5 whole chunks, and a chunk that
         # HDF5 still caches when a write fails for want of space crashes the process
-        # when the file is closed (upstream); uncached, the write itself raises
-        self._f: Any = h5py.File(self._tmp, "w", rdcc_nbytes=0)
+        # when the file is closed (upstream); uncached, the write itself raises.
+        # No HDF5 file lock either: no one else opens the temporary file, and a process
+        # forked while the save runs (a DataLoader worker) would inherit the lock and keep
+        # it after the file is renamed into place, so that the saved file could not be
+        # opened, even read-only, while that process lived
+        try:
+            self._f: Any = h5py.File(self._tmp, "w", rdcc_nbytes=0, locking=False)
+        except (TypeError, ValueError):  # an h5py / HDF5 without the option
+            self._f = h5py.File(self._tmp, "w", rdcc_nbytes=0)
         try:
             kwargs: dict[str, Any] = {}
             if comp is not None:
