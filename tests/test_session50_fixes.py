@@ -114,3 +114,32 @@ def test_hdf5_save_in_a_thread_during_a_fork_leaves_the_file_openable(tmp_path):
     finally:
         codes = [os.waitpid(pid, 0)[1] for pid in kids]
     assert kids and codes == [0] * len(kids)
+
+
+# ---- the transfer engine's scatter checks the rows' shape, not only their element count --------
+@pytest.mark.parametrize("many", [False, True])
+def test_engine_scatter_refuses_rows_of_another_shape(many):
+    from gadgetloader import transfer
+    from gadgetloader.transfer import _engine
+
+    table = torch.arange(40.0).reshape(10, 4)
+    before = table.clone()
+    ids = torch.tensor([1, 2])
+    good = torch.arange(8.0).reshape(2, 4) + 100
+
+    def scatter(rows, i=ids):
+        if many:
+            _engine.scatter_many([table], i, [rows])
+        else:
+            transfer.scatter(table, i, rows)
+
+    for bad in (good.t(), good.reshape(-1), good.reshape(1, 2, 4), torch.ones(2, 5)):
+        with pytest.raises(gl.GadgetValueError, match=r"must have shape \(2, 4\)"):
+            scatter(bad)
+        assert torch.equal(table, before)
+    scatter(good)  # ids.shape + row shape
+    assert torch.equal(table[1:3], good) and torch.equal(table[3:], before[3:])
+    scatter(good + 1, ids.reshape(1, 2))  # (ids.numel(),) + row shape, for 2-D ids
+    assert torch.equal(table[1:3], good + 1)
+    scatter((good + 2).reshape(1, 2, 4), ids.reshape(1, 2))  # ids.shape + row shape
+    assert torch.equal(table[1:3], good + 2) and torch.equal(table[0], before[0])

@@ -346,8 +346,12 @@ class GadgetSampler(Sampler[Any]):
     drop_last : bool, default False
         Drop the incomplete last batch (see *Ranks*).
     pad : bool, default False
-        Fill the last batch on every rank up to ``batch_size`` by repeating rows
-        from the start of the epoch order. Exclusive with ``drop_last``.
+        Give every rank ``ceil(n / (num_replicas * batch_size))`` full batches: the
+        epoch order is extended, cyclically from its start, to a multiple of
+        ``num_replicas * batch_size`` rows before it is split among the ranks, so the
+        repeated rows fall at the end of the order -- on the last ranks, which may get
+        whole batches of them (up to ``num_replicas * batch_size - 1`` repeats in all).
+        Exclusive with ``drop_last``.
     seed : int, default 0
         The order depends only on ``(seed, epoch)``: same on every rank and run. From 0
         to 2**64 - 1 (else :class:`~gadgetloader.GadgetValueError`).

@@ -539,7 +539,8 @@ def scatter(
     """``table[ids] = rows`` in place; for a repeated id the *last* occurrence wins.
 
     ``rows`` is a tensor on the table's device (CUDA for a GPU-visible table, CPU for a
-    CPU table) of shape ``ids.shape + row shape`` and the table's dtype; ``ids`` must be
+    CPU table) of shape ``ids.shape + row shape`` (or ``(ids.numel(),) + row shape``) and
+    the table's dtype; ``ids`` must be
     in range and int64 (:meth:`~gadgetloader.DataGadget.insertData` checks and converts
     ids and rows of any kind). Repeated ids are merged so that only each id's last entry
     is written, whatever the strategy, and the result is deterministic: on a table of at
@@ -598,9 +599,12 @@ def scatter_many(
                 f"rows for table {k} must be a {table.dtype} tensor (the table's dtype); got "
                 f"{r.dtype if isinstance(r, torch.Tensor) else type(r).__name__}"
             )
-        if r.numel() != n * math.prod(table.shape[1:]):
+        # the shape itself, not just the element count: rows of another layout with as
+        # many elements (a transpose) would be written scrambled
+        row_shape = tuple(table.shape[1:])
+        if tuple(r.shape) not in ((*ids.shape, *row_shape), (n, *row_shape)):
             raise GadgetValueError(
-                f"rows for table {k} must have shape {(*ids.shape, *table.shape[1:])} "
+                f"rows for table {k} must have shape {(*ids.shape, *row_shape)} "
                 f"({n} ids); got {tuple(r.shape)}"
             )
     flat = _ids_on(ids.reshape(-1), first.device)  # the kernels read ids densely
