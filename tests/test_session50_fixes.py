@@ -3,6 +3,7 @@ than the machine's memory is refused before it is allocated (see test_session49_
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
@@ -143,3 +144,141 @@ def test_engine_scatter_refuses_rows_of_another_shape(many):
     assert torch.equal(table[1:3], good + 1)
     scatter((good + 2).reshape(1, 2, 4), ids.reshape(1, 2))  # ids.shape + row shape
     assert torch.equal(table[1:3], good + 2) and torch.equal(table[0], before[0])
+
+
+# ---- checkpoints (from a black-box review of checkpoint and resume) -----------------------------
+def _adam_table(seed=0, cls=torch.optim.Adam, **kw):
+    torch.manual_seed(seed)
+    emb = gl.OffloadedEmbedding(10, 4, placement="cpu", device="cpu")
+    return emb, gl.OffloadedOptimizer(cls, emb, lr=0.1, **kw)
+
+
+def _train(emb, opt, steps):
+    for _ in range(steps):
+        opt.zero_grad()
+        emb(torch.arange(10)).pow(2).sum().backward()
+        opt.step()
+
+
+def _snapshot(emb, opt):
+    return emb.weight.getNumpyVersion().copy(), copy.deepcopy(opt.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("cls", "edit"),
+    [
+        (torch.optim.Adam, "entry"),
+        (torch.optim.Rprop, "step"),
+        (torch.optim.ASGD, "entry"),
+        (torch.optim.ASGD, "step"),
+    ],
+)
+def test_table_state_without_its_step_is_refused(tmp_path, cls, edit):
+    emb, opt = _adam_table(0, cls)
+    _train(emb, opt, 5)
+    sd = opt.state_dict()
+    bad = copy.deepcopy(sd)
+    if edit == "entry":
+        bad["inner"]["state"][0] = {}
+    else:
+        del bad["inner"]["state"][0]["step"]
+    emb2, opt2 = _adam_table(1, cls)
+    _train(emb2, opt2, 2)
+    before = _snapshot(emb2, opt2)
+    with pytest.raises(gl.GadgetValueError, match=r"lacks \[.*'step'.*\].*step count"):
+        opt2.load_state_dict(bad)
+    after = _snapshot(emb2, opt2)
+    np.testing.assert_array_equal(after[0], before[0])
+    assert str(after[1]) == str(before[1])
+    # the same edit inside a checkpoint's meta.pt
+    d = str(tmp_path / "ck")
+    gl.save_checkpoint(d, {"o": opt}, progress=False)
+    meta = torch.load(os.path.join(d, "meta.pt"), weights_only=True)
+    inner = meta["objects"]["o"]["meta"]["inner"]["state"]
+    if edit == "entry":
+        inner[0] = {}
+    else:
+        del inner[0]["step"]
+    torch.save(meta, os.path.join(d, "meta.pt"))
+    with pytest.raises(gl.GadgetValueError, match="lacks"):
+        gl.load_checkpoint(d, {"o": opt2})
+    after = _snapshot(emb2, opt2)
+    np.testing.assert_array_equal(after[0], before[0])
+    assert str(after[1]) == str(before[1])
+    # the unedited state loads, never-stepped state too
+    opt2.load_state_dict(sd)
+    assert float(opt2.state_dict()["inner"]["state"][0]["step"]) == 5
+    emb3, opt3 = _adam_table(2, cls)
+    opt2.load_state_dict(opt3.state_dict())
+    assert float(opt2.state_dict()["inner"]["state"][0]["step"]) == 0
+
+
+def test_save_torch_failing_part_way_is_a_file_error(tmp_path, monkeypatch):
+    emb = torch.nn.Embedding(4, 8)
+    sw = gl.PytorchModelFactory(emb, 100, 8, deviceType="cpu", pinType=False)
+    sw.zerosInit()
+    target = tmp_path / "t.pt"
+    sw.saveTorch(target)
+    good = target.read_bytes()
+
+    def full_disk(obj, f, *a, **k):
+        with open(f, "wb") as fh:
+            fh.write(b"PK\x03\x04 half")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 832 vs 726")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(gl.GadgetFileError, match=r"cannot save .*t\.pt.*unexpected pos"):
+        sw.saveTorch(target)
+    assert target.read_bytes() == good
+    assert sorted(os.listdir(tmp_path)) == ["t.pt"]  # no partial file left
+
+
+def test_checkpoint_save_removes_partials_of_dead_saves_and_warns_on_leftovers(
+    tmp_path, monkeypatch
+):
+    import subprocess
+    import sys
+
+    from gadgetloader.switching import _checkpoint
+
+    emb, opt = _adam_table(0)
+    _train(emb, opt, 1)
+    d = tmp_path / "ck"
+    gl.save_checkpoint(str(d), {"e": emb, "o": opt}, progress=False)
+    first = sorted(f for f in os.listdir(d) if not f.startswith(".") and f != "meta.pt")
+    token = next(f for f in first if f.startswith("e.")).split(".")[-2]
+    # partial table files a killed save left: one of a process that is gone, one of a live one
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(gone.stdout)
+    dead = f".e.weight.{'0' * 8}.npy.partial-{dead_pid}-0123abcd"
+    live = f".e.weight.{'1' * 8}.npy.partial-{os.getpid()}-0123abcd"
+    for name in (dead, live):
+        (d / name).write_bytes(b"\x93NUMPY half")
+    _train(emb, opt, 1)
+    gl.save_checkpoint(str(d), {"e": emb, "o": opt}, progress=False)
+    names = os.listdir(d)
+    assert dead not in names and live in names
+    assert not set(first) & set(names)  # the previous checkpoint's tables are gone
+    # an old table that cannot be removed once meta.pt names the new ones: a warning
+    real_remove = _checkpoint._remove
+    second = sorted(f for f in names if not f.startswith(".") and f != "meta.pt")
+
+    def refuse_old(path):
+        if os.path.basename(path) in second and token not in path:
+            raise PermissionError(1, "Operation not permitted", path)
+        real_remove(path)
+
+    monkeypatch.setattr(_checkpoint, "_remove", refuse_old)
+    _train(emb, opt, 1)
+    want = _snapshot(emb, opt)
+    with pytest.warns(
+        UserWarning, match=r"wrote the checkpoint .* could not remove .*Operation not permitted"
+    ):
+        gl.save_checkpoint(str(d), {"e": emb, "o": opt}, progress=False)
+    emb2, opt2 = _adam_table(5)
+    gl.load_checkpoint(str(d), {"e": emb2, "o": opt2})
+    got = _snapshot(emb2, opt2)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert str(got[1]) == str(want[1])

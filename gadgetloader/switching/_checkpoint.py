@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import uuid
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -384,17 +385,51 @@ def _remove_stale(
     d: str, parts: dict[str, Any], entries: dict[str, Any], previous: set[str]
 ) -> None:
     """After a checkpoint's meta.pt took its place: remove the previous checkpoint's
-    tables, and those of saves that died part-way, which nothing names any more."""
+    tables, those of saves that died part-way, which nothing names any more, and the
+    hidden partial table files such saves left (those of a process still running are
+    kept). The checkpoint is written by then: a file that cannot be removed is a
+    ``UserWarning`` naming it, not an error."""
     current = {f for e in entries.values() for f in e["tables"].values()}
     prefixes = [
         re.escape(f"{name}.{tname}.") for name, (_, tables, _) in parts.items() for tname in tables
     ]
     stale: set[str] = set()
     if prefixes:
-        ours = re.compile("^(?:" + "|".join(prefixes) + r")[0-9a-f]{8}\.")
-        stale = {f for f in os.listdir(d) if ours.match(f)}
-    for fname in (previous | stale) - current:
-        _remove(os.path.join(d, fname))
+        alt = "|".join(prefixes)
+        ours = re.compile("^(?:" + alt + r")[0-9a-f]{8}\.")
+        partial = re.compile(r"^\.(?:" + alt + r")[0-9a-f]{8}\..*\.partial-([0-9]+)-[0-9a-f]{8}$")
+        for f in os.listdir(d):
+            m = partial.match(f)
+            if ours.match(f) or (m is not None and not _process_alive(int(m.group(1)))):
+                stale.add(f)
+    left = []
+    for fname in sorted((previous | stale) - current):
+        try:
+            _remove(os.path.join(d, fname))
+        except OSError as exc:
+            left.append(f"{fname} ({exc.strerror or exc})")
+    if left:
+        warnings.warn(
+            f"save_checkpoint wrote the checkpoint in {d}, but could not remove "
+            f"{len(left)} file(s) of an earlier one, which nothing names now: "
+            + "; ".join(left[:5])
+            + (" ..." if len(left) > 5 else ""),
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (this one included)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True  # another user's process, or a pid this system cannot say about
+    return True
 
 
 #: how a NumPy number in an object's meta (an optimizer's ``lr=np.float32(...)``) is kept:
@@ -861,19 +896,27 @@ def load_checkpoint(
             pager = obj._need_pager()
             check_optimizer_kind(meta, pager.optimizer, f"checkpoint object {name!r}")
             saved_scalars = meta.get("scalars")
+            keeps = set(pager.layout.init_scalars)
+            if isinstance(saved_scalars, Mapping) and keeps - set(saved_scalars):
+                # kept from construction on: without them the state rows would load with
+                # the step count restarted
+                raise GadgetValueError(
+                    f"checkpoint object {name!r}: the saved optimizer state lacks "
+                    f"{sorted(keeps - set(saved_scalars))}, which this "
+                    f"{optimizer_kind(pager.optimizer)} keeps (got {sorted(saved_scalars)})"
+                )
+            # written before the class was recorded: its scalar state must be this one's
             if (
                 meta.get("optimizer") is None
                 and isinstance(saved_scalars, Mapping)
                 and saved_scalars
+                and set(saved_scalars) != keeps
             ):
-                # written before the class was recorded: its scalar state must be this one's
-                keeps = set(pager.layout.init_scalars)
-                if set(saved_scalars) != keeps:
-                    raise GadgetValueError(
-                        f"checkpoint object {name!r}: the saved optimizer state has scalars "
-                        f"{sorted(saved_scalars)}; this {optimizer_kind(pager.optimizer)} keeps "
-                        f"{sorted(keeps)} (state of another optimizer class?)"
-                    )
+                raise GadgetValueError(
+                    f"checkpoint object {name!r}: the saved optimizer state has scalars "
+                    f"{sorted(saved_scalars)}; this {optimizer_kind(pager.optimizer)} keeps "
+                    f"{sorted(keeps)} (state of another optimizer class?)"
+                )
         elif kind == "offloaded_optimizer":
             check_optimizer_kind(meta, obj.inner, f"checkpoint object {name!r}")
             if meta.get("optimizer") is None:  # written before the class was recorded

@@ -1710,22 +1710,47 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             shapes=True,
             skip=frozenset(id(m._slot.param) for m in self.tables),
         )
+        for n, pager, entry in self._saved_table_entries(sd):
+            # every table holds its scalar state from construction on (a never-stepped
+            # one: ``step`` 0), so a saved table without it was edited or damaged: its
+            # state rows would load while its step count restarted
+            keeps = set(pager.layout.init_scalars)
+            missing = keeps - (set(entry) if isinstance(entry, dict) else set())
+            if missing:
+                raise GadgetValueError(
+                    f"{what}: offloaded table {n}'s saved optimizer state lacks "
+                    f"{sorted(missing)}, which this {optimizer_kind(self.inner)} keeps for "
+                    f"every table (got {sorted(entry, key=str) if isinstance(entry, dict) else entry!r}); "
+                    "its state rows would load with the step count restarted"
+                )
+
+    def _saved_table_entries(self, sd: Any) -> list[tuple[int, Any, Any]]:
+        """``(n, pager, entry)`` for each offloaded table that the saved inner state ``sd``
+        has a parameter for: ``entry`` is its saved state (None when there is none)."""
+        if not isinstance(sd, dict) or not isinstance(sd.get("state") or {}, dict):
+            return []
+        states = sd.get("state") or {}
+        saved_ids = [
+            i
+            for g in sd.get("param_groups") or []
+            if isinstance(g, dict)
+            for i in g.get("params", [])
+        ]
+        mine = [p for g in list.__iter__(self.inner.param_groups) for p in g["params"]]
+        where = {id(p): k for k, p in enumerate(mine)}
+        out = []
+        for n, (m, pager) in enumerate(zip(self.tables, self.pagers, strict=True)):
+            k = where.get(id(m._slot.param))
+            if k is None or k >= len(saved_ids):
+                continue
+            out.append((n, pager, states.get(saved_ids[k])))
+        return out
 
     def _check_untagged(self, sd: Any, what: str) -> None:
         """State saved without the optimizer's class (before it was recorded): each table's
         saved scalar state must be what this optimizer keeps (Adam's ``step`` alone would
         fail part-way inside NAdam's load, which needs ``mu_product``)."""
-        if not isinstance(sd, dict):
-            return
-        states = sd.get("state") or {}
-        saved_ids = [i for g in sd.get("param_groups") or [] for i in g.get("params", [])]
-        mine = [p for g in list.__iter__(self.inner.param_groups) for p in g["params"]]
-        where = {id(p): k for k, p in enumerate(mine)}
-        for n, (m, pager) in enumerate(zip(self.tables, self.pagers, strict=True)):
-            k = where.get(id(m._slot.param))
-            if k is None or k >= len(saved_ids):
-                continue
-            entry = states.get(saved_ids[k])
+        for n, pager, entry in self._saved_table_entries(sd):
             if not isinstance(entry, dict) or not entry:
                 continue  # saved before its first step
             saved = set(entry) - set(pager.row_keys)

@@ -16,6 +16,7 @@ from .._errors import (
 )
 from .._paths import as_path
 from ..io._atomic import remove_path, replace_atomically, resolved_target, temp_path_beside
+from ..io._chunks import save_errors
 
 __all__ = ["check_tensor", "load_torch_file", "save_torch_file", "table_tensor"]
 
@@ -35,7 +36,9 @@ def save_torch_file(obj: Any, path: str | os.PathLike[str]) -> None:
         raise ReadOnlyError(f"cannot save {target}: the directory {folder} is not writable")
     tmp = temp_path_beside(target)
     try:
-        torch.save(obj, tmp)
+        # a full disk or a file size limit: torch's writer raises a RuntimeError
+        with save_errors(target, "write the torch.save file", also=(RuntimeError,)):
+            torch.save(obj, tmp)
         replace_atomically(tmp, target)
     except BaseException:
         remove_path(tmp)
