@@ -140,7 +140,8 @@ def check_fits_in_host(
     machine's RAM (plus swap when ``swap``; page-locked memory cannot be swapped).
 
     Where the kernel overcommits memory, such an allocation succeeds and the process is
-    killed while the rows are zeroed or page-locked; this check makes it an error."""
+    killed while the rows are zeroed or page-locked; this check makes it an error. It
+    knows the machine's memory, not a container's (cgroup) limit below it."""
     nbytes = math.prod(shape) * int(getattr(dtype, "itemsize", 0))
     limit = host_memory_bytes(swap=swap)
     if limit is not None and nbytes > limit:

@@ -282,3 +282,54 @@ def test_checkpoint_save_removes_partials_of_dead_saves_and_warns_on_leftovers(
     got = _snapshot(emb2, opt2)
     np.testing.assert_array_equal(got[0], want[0])
     assert str(got[1]) == str(want[1])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_two_threads_forking_at_once_leave_hdf5_opens_working(tmp_path, monkeypatch):
+    """Two forks at once, while tables were busy in other threads: the second fork's hook
+    gave up on the open lock the first one held and cleared its note of it, so the first
+    never released it and every later HDF5 open waited for good."""
+    from gadgetloader.io import _hdf5
+
+    monkeypatch.setattr(_hdf5, "_FORK_WAIT_S", 0.5)
+    p1, p2 = str(tmp_path / "a.h5"), str(tmp_path / "b.h5")
+    for p in (p1, p2):
+        with h5py.File(p, "w") as f:
+            f["x"] = np.arange(40, dtype=np.float32).reshape(10, 4)
+    busy_src = [_hdf5.Hdf5Source(p1, dataset="x") for _ in range(2)]
+    busy_until = time.monotonic() + 3.0
+
+    def busy(src):  # a long read in another thread (simulated by holding the table's lock)
+        with src._guard():
+            while time.monotonic() < busy_until:
+                time.sleep(0.01)
+
+    def forker():
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+
+    threads = [threading.Thread(target=busy, args=(s,), daemon=True) for s in busy_src]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    with warnings.catch_warnings():  # Python 3.12+: fork of a multi-threaded process
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        forkers = [threading.Thread(target=forker, daemon=True) for _ in range(2)]
+        forkers[0].start()
+        time.sleep(0.2)  # the first fork's hook holds the open lock, waiting for busy tables
+        forkers[1].start()
+        for t in forkers:
+            t.join(30)
+    for t in threads:
+        t.join(30)
+    assert not _hdf5._OPEN_GATE[0].locked()
+    out = []
+    t = threading.Thread(target=lambda: out.append(_hdf5.Hdf5Source(p2, dataset="x").shape))
+    t.daemon = True
+    t.start()
+    t.join(20)
+    assert out == [(10, 4)], "opening an HDF5 file hung after two forks at once"
+    for s in busy_src:
+        s.close()

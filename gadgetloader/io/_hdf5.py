@@ -196,6 +196,12 @@ _FORK_HELD: list[threading.RLock] = []
 _OPEN_GATE = [threading.Lock()]
 #: whether this fork's hook holds the gate
 _GATE_HELD = [False]
+#: one fork's hooks at a time: a second thread's fork waits until the first is done (the
+#: state above describes one fork; a second hook giving up on the gate would have left it
+#: held for good, and every later open waiting on it)
+_FORK_HOOK_LOCK = [threading.Lock()]
+#: whether this fork's before-hook took that lock (hooks registered during a fork: not)
+_HOOK_OWNED = [False]
 #: how long a fork waits for a thread busy with one source before copying it as it is
 _FORK_WAIT_S = 5.0
 _FORK_HOOKS = [False]
@@ -208,6 +214,8 @@ def _before_fork() -> None:
     the fork itself: HDF5's list of open files is copied into the child, and a handle open
     there makes the child's own open fail ("file locking flag values don't match" in a
     DataLoader worker, which opens without HDF5's lock)."""
+    _FORK_HOOK_LOCK[0].acquire()  # released by the after-fork hooks
+    _HOOK_OWNED[0] = True
     _GATE_HELD[0] = _OPEN_GATE[0].acquire(timeout=_FORK_WAIT_S)
     held: list[threading.RLock] = []
     for src in list(_SOURCES):
@@ -237,13 +245,18 @@ def _lock_for_fork(src: Hdf5Source, lock: threading.RLock) -> bool:
 
 
 def _after_fork_in_parent() -> None:
-    held = list(_FORK_HELD)
-    _FORK_HELD.clear()
-    for lock in reversed(held):
-        lock.release()
-    if _GATE_HELD[0]:
-        _GATE_HELD[0] = False
-        _OPEN_GATE[0].release()
+    try:
+        held = list(_FORK_HELD)
+        _FORK_HELD.clear()
+        for lock in reversed(held):
+            lock.release()
+        if _GATE_HELD[0]:
+            _GATE_HELD[0] = False
+            _OPEN_GATE[0].release()
+    finally:
+        if _HOOK_OWNED[0]:
+            _HOOK_OWNED[0] = False
+            _FORK_HOOK_LOCK[0].release()
 
 
 def _after_fork_in_child() -> None:
@@ -251,6 +264,8 @@ def _after_fork_in_child() -> None:
     # and its own gate: the parent's may be held by a thread that the child does not have
     _OPEN_GATE[0] = threading.Lock()
     _GATE_HELD[0] = False
+    _FORK_HOOK_LOCK[0] = threading.Lock()
+    _HOOK_OWNED[0] = False
 
 
 def _register_fork_hooks() -> None:

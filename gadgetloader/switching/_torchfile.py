@@ -36,13 +36,31 @@ def save_torch_file(obj: Any, path: str | os.PathLike[str]) -> None:
         raise ReadOnlyError(f"cannot save {target}: the directory {folder} is not writable")
     tmp = temp_path_beside(target)
     try:
-        # a full disk or a file size limit: torch's writer raises a RuntimeError
-        with save_errors(target, "write the torch.save file", also=(RuntimeError,)):
-            torch.save(obj, tmp)
+        with save_errors(target, "write the torch.save file"):
+            try:
+                torch.save(obj, tmp)
+            except RuntimeError as exc:
+                # a full disk or a file size limit: torch's zip writer raises a RuntimeError
+                # (out-of-memory and CUDA errors pass as they are)
+                if not _write_failure(exc):
+                    raise
+                raise GadgetFileError(
+                    f"cannot save {target}: cannot write the torch.save file ({exc})"
+                ) from exc
         replace_atomically(tmp, target)
     except BaseException:
         remove_path(tmp)
         raise
+
+
+def _write_failure(exc: RuntimeError) -> bool:
+    """Whether torch's writer raised ``exc`` because the file could not be written."""
+    if type(exc).__name__ == "OutOfMemoryError":
+        return False
+    text = str(exc)
+    return any(
+        mark in text for mark in ("inline_container", "PytorchStreamWriter", "file write failed")
+    )
 
 
 def load_torch_file(path: str | os.PathLike[str]) -> Any:
