@@ -397,7 +397,8 @@ def _rows_elsewhere(obj: Any, home: str, where: str, h5py: ModuleType) -> tuple[
                 )
             path = found[0]
             try:
-                with h5py.File(path, "r") as sf:
+                # (under the open lock: a fork meanwhile must not copy this handle)
+                with _OPEN_GATE[0], h5py.File(path, "r") as sf:
                     present = isinstance(sf.get(src.dset_name), h5py.Dataset)
             except OSError as exc:
                 raise GadgetFileError(
