@@ -166,12 +166,39 @@ class Word2VecResult:
         return [(self.vocab.words[i], float(sims[i])) for i in order]
 
     def save(self, prefix: str | os.PathLike[str]) -> None:
-        """``prefix.npy`` (vectors) and ``prefix.vocab.txt`` (word and count per line)."""
+        """``prefix.npy`` (vectors) and ``prefix.vocab.txt`` (word and count per line).
+
+        Both are written beside their paths first and renamed into place, the word list
+        last: a failed save leaves the files that were there before (a failure of that
+        last rename alone, which is rare, leaves new vectors beside the old word list,
+        and the error says so)."""
+        from gadgetloader.io._atomic import remove_path, replace_atomically, temp_path_beside
+
         prefix = os.fspath(prefix)
-        self.model.u.table.save(prefix + ".npy")
-        with open(prefix + ".vocab.txt", "w", encoding="utf-8") as f:
-            for w, c in zip(self.vocab.words, self.vocab.counts, strict=False):
-                f.write(f"{w} {c}\n")
+        vocab_path = prefix + ".vocab.txt"
+        for target in (prefix + ".npy", vocab_path):
+            if os.path.exists(target) and not os.path.isfile(target):
+                raise gl.GadgetFileError(
+                    f"{target} is not a regular file, and a save replaces what is at its path"
+                )
+        tmp = temp_path_beside(vocab_path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                for w, c in zip(self.vocab.words, self.vocab.counts, strict=False):
+                    f.write(f"{w} {c}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self.model.u.table.save(prefix + ".npy")
+            try:
+                replace_atomically(tmp, vocab_path)
+            except OSError as exc:
+                raise OSError(
+                    f"{prefix}.npy was written, but {vocab_path} could not be replaced "
+                    f"({exc}); the word list there is not this run's"
+                ) from exc
+        finally:
+            if os.path.lexists(tmp):
+                remove_path(tmp)
 
 
 def train(
@@ -225,6 +252,9 @@ def train(
         ``negatives`` above 2**20, ``lr`` not above 0 or above 1e30), a corpus with fewer
         than two distinct words, or training that diverged (an epoch's loss, or a value
         of the vectors an epoch leaves, is not finite: ``lr`` is too large).
+    MemoryError
+        Before training, where the (center, context) pairs of one chunk of
+        ``chunk_tokens`` tokens (about ``window + 1`` per token) would not fit in RAM.
     """
     dim, epochs, window, negatives, batch_size, min_count, seed, chunk_tokens = _check_settings(
         dim=dim,
@@ -247,6 +277,7 @@ def train(
         )
     lr = rate
     vocab, ids = build_vocab(corpus, min_count)
+    _check_pair_memory(ids.shape[0], window, chunk_tokens)
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     model = SkipGram(len(vocab), dim, placement, device, seed)
@@ -337,6 +368,28 @@ def _check_settings(**settings: Any) -> list[int]:
             raise ValueError(f"{name} must be at least {low}{top}; got {value}")
         out.append(int(value))
     return out
+
+
+#: bytes of host memory one (center, context) pair of a chunk takes at its peak (the two
+#: int64 columns, the per-distance pieces they are joined from, their shuffled copies)
+_PAIR_BYTES = 48
+
+
+def _check_pair_memory(tokens: int, window: int, chunk_tokens: int) -> None:
+    """``MemoryError`` where the pairs of one chunk (about ``window + 1`` per center, at
+    most one per other token of the corpus) would not fit in this machine's RAM."""
+    from gadgetloader._errors import host_memory_bytes
+
+    ram = host_memory_bytes(swap=False)
+    centers = min(tokens, chunk_tokens)
+    pairs = centers * min(window + 1, max(tokens - 1, 0))
+    need = pairs * _PAIR_BYTES
+    if ram is not None and need > ram:
+        raise MemoryError(
+            f"window {window} makes about {pairs:,} (center, context) pairs per chunk of "
+            f"{centers:,} tokens, about {need / 1e9:.1f} GB, more than this machine's "
+            f"{ram / 1e9:.1f} GB of RAM; lower the window"
+        )
 
 
 def _all_finite(table: gl.DataGadget) -> bool:
@@ -449,6 +502,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         for target in (args.out + ".npy", args.out + ".vocab.txt"):
             if os.path.isdir(target):
                 p.error(f"--out {args.out}: {target} is a directory")
+            if os.path.exists(target) and not os.path.isfile(target):
+                p.error(
+                    f"--out {args.out}: {target} is not a regular file (a device, pipe or "
+                    "socket), and a save replaces what is at its path"
+                )
+            # a symbolic link is written through: its target's folder must exist
+            real = os.path.dirname(os.path.realpath(target))
+            if not os.path.isdir(real) or not os.access(real, os.W_OK):
+                p.error(f"--out {args.out}: {target} leads to {real}, not a writable directory")
+            if os.path.exists(target) and not os.access(target, os.W_OK):
+                p.error(f"--out {args.out}: {target} is not writable")
     try:
         result = train(
             args.corpus,
@@ -475,13 +539,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 1
             raise
         first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        if first.startswith("window "):  # (the pairs' estimate, before any training)
+            print(f"{p.prog}: error: --{first}", file=sys.stderr)
+            return 1
         print(
             f"{p.prog}: error: not enough memory for tables of these sizes "
-            f"(--dim {args.dim}, --negatives {args.negatives}, --batch-size {args.batch_size}): "
-            f"{first}",
+            f"(--dim {args.dim}, --window {args.window}, --negatives {args.negatives}, "
+            f"--batch-size {args.batch_size}): {first}",
             file=sys.stderr,
         )
         return 1
+    except KeyboardInterrupt:
+        print(f"{p.prog}: interrupted; nothing was written", file=sys.stderr)
+        return 130
     print(
         f"vocabulary {len(result.vocab)} words; loss per epoch: "
         + ", ".join(f"{x:.4f}" for x in result.losses)
@@ -501,6 +571,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, gl.GadgetError) as exc:
             print(f"{p.prog}: error: saving {args.out}: {exc}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:
+            print(f"{p.prog}: interrupted while saving {args.out}", file=sys.stderr)
+            return 130
         print(f"wrote {args.out}.npy and {args.out}.vocab.txt")
     return 0
 

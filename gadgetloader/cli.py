@@ -107,6 +107,10 @@ def _write_json(path: str | None, data: Any, command: str) -> int:
     return 0
 
 
+#: the file extensions matplotlib's savefig writes (without a backend of its own)
+_PLOT_FORMATS = ("png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+
+
 def _check_json_target(
     parser: argparse.ArgumentParser, path: str | None, option: str = "--json"
 ) -> None:
@@ -134,8 +138,30 @@ def _check_json_target(
         parser.error(f"{option} {path}: no such directory {folder}")
     if not os.access(folder, os.W_OK):
         parser.error(f"{option} {path}: {folder} is not writable")
+    # the file is written beside its path and renamed into place: a device, a pipe or a
+    # descriptor (/dev/stdout) would be replaced by a plain file, not written to
+    # (--profile appends to its file instead)
+    replaces = option != "--profile"
+    if replaces and os.path.exists(path) and not os.path.isfile(path):
+        parser.error(
+            f"{option} {path}: it is not a regular file (a device, pipe or socket), and "
+            f"{option} replaces what is at its path; give a file name"
+        )
+    if replaces and os.path.abspath(path).startswith(("/dev/", "/proc/")):
+        parser.error(
+            f"{option} {path}: names a device or a file descriptor, and {option} replaces "
+            "what is at its path; give a file name"
+        )
     if os.path.exists(path) and not os.access(path, os.W_OK):
         parser.error(f"{option} {path}: the file is not writable")
+    if option == "--plot":
+        ext = os.path.splitext(path)[1].lower().lstrip(".")
+        if ext not in _PLOT_FORMATS:
+            parser.error(
+                f"{option} {path}: the file name must end with an image format matplotlib "
+                f"writes ({', '.join('.' + e for e in _PLOT_FORMATS)}); got "
+                f"{'no extension' if not ext else '.' + ext}"
+            )
 
 
 def _failed_checks(result: Any, where: str = "") -> list[str]:

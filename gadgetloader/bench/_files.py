@@ -91,7 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="rows per chunk of the load-test files (default ~1 MiB)",
     )
     p.add_argument(
-        "--compression", default=None, help="compression of the load-test zarr file (default zstd)"
+        "--compression",
+        default=None,
+        help="compression of the zarr files, load-test and random-read (default zstd)",
     )
     p.add_argument(
         "--random-mb",
@@ -317,6 +319,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "random_table_bytes": rrows * row_bytes,
             "random_rows": rrows,
             "random_chunk_rows": args.random_chunk_rows,
+            "chunk_rows": args.chunk_rows,
+            "zarr_compression": args.compression or "zstd",
             "cache_bytes": cache,
             "ids_per_call": min(args.ids, rrows),
             "repeats": args.repeats,

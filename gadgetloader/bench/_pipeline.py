@@ -269,6 +269,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise OptionError(
             f"--workers must be comma-separated whole numbers; got {args.workers!r}"
         ) from None
+    if not worker_counts:
+        raise OptionError(
+            f"--workers must name at least one worker count (0 is always timed); got {args.workers!r}"
+        )
     if any(w < 0 for w in worker_counts):
         raise OptionError(f"--workers must not be negative; got {args.workers!r}")
     sources = comma_list(str(args.sources), ("memory", "file"), "--sources")

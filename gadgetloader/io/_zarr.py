@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import os
+import stat
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +69,8 @@ _MARKERS = ("zarr.json", ".zarray", ".zgroup")
 _COMPRESSIONS = ("zstd", "gzip", "blosc")
 #: bytes read beyond a chunk's decoded size in the first read of a compressed chunk
 _SLACK = 4096
+#: a compressed chunk file larger than this many times its read buffer is refused as damaged
+_MAX_EXPANSION = 4
 #: seconds between the warnings of a failed read or write still waiting for zarr's other
 #: chunk tasks (it waits until they end)
 _DRAIN_S = 60.0
@@ -208,9 +212,15 @@ def _read_compressed(fd: int, cap: int) -> Any:
     n = os.readv(fd, [buf])
     if n < len(buf):
         return memoryview(buf)[:n]
-    parts = [bytes(buf)]  # more than expected (an incompressible chunk): read the rest
-    while more := os.read(fd, 1 << 20):
+    # more than expected (an incompressible chunk): read the rest, up to a bound no codec's
+    # output comes near (a huge or endless file is damage, not a chunk)
+    limit = _MAX_EXPANSION * cap
+    parts, got = [bytes(buf)], len(buf)
+    while more := os.read(fd, min(1 << 20, limit + 1 - got)):
         parts.append(more)
+        got += len(more)
+        if got > limit:
+            raise ValueError(f"the file holds more than {limit} bytes")
     return b"".join(parts)
 
 
@@ -275,8 +285,9 @@ class ZarrSource(ArraySource):
                 # the array asked for is opened by itself: damage elsewhere in the group
                 # (another array's metadata) does not stop it
                 dataset = dataset.strip("/")
+                # (by its own metadata: a group's consolidated metadata may be out of date)
                 with contextlib.suppress(Exception):
-                    found = node[dataset]
+                    found = self._open_node(zarr, dataset)
                     if isinstance(found, zarr.Array):
                         arr = found
             if arr is None:
@@ -299,6 +310,10 @@ class ZarrSource(ArraySource):
                         f"{self.path} has no zarr array {dataset!r}; arrays in the store: {arrays}"
                     )
                 arr = node[dataset]
+                with contextlib.suppress(Exception):  # its own metadata, as above
+                    found = self._open_node(zarr, str(arr.path).strip("/") or dataset)
+                    if isinstance(found, zarr.Array):
+                        arr = found
             # zarr normalises the name it was given (``'g\\x'`` is ``'g/x'``); the chunk files
             # are found under the array's own path
             dataset = str(arr.path).strip("/") or dataset
@@ -342,6 +357,8 @@ class ZarrSource(ArraySource):
         self._arr: Any = arr
         self._key: Any = None
         self._key_pid = 0
+        #: (rows per file, column coordinates, folder, metadata) for _check_files
+        self._units: Any = None
         self._decoders: list[Any] | None = self._plan_direct(arr)
         self.exact_writes = _exact_codecs(arr)
         fill = arr.fill_value
@@ -399,14 +416,14 @@ class ZarrSource(ArraySource):
 
     def _array(self) -> Any:
         if self._arr is None:
-            node = self._open_node(import_zarr(), "")
-            self._arr = node[self.dataset] if self.dataset else node
+            # an array in a group by its own metadata (not the group's consolidated copy)
+            self._arr = self._open_node(import_zarr(), self.dataset)
         return self._arr
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_arr"] = None  # reopened lazily in the new process
-        state["_key"], state["_key_pid"] = None, 0
+        state["_key"], state["_key_pid"], state["_units"] = None, 0, None
         return state
 
     # ---- rows -----------------------------------------------------------------------------
@@ -448,9 +465,70 @@ class ZarrSource(ArraySource):
 
         for_each_chunk(one, chunks, slots, c * self.row_nbytes)
 
+    def _unit_files(self, start: int, stop: int) -> Iterator[tuple[int, int, str]]:
+        """(row index of the file, rows per file, path) of each file (chunk, or shard)
+        holding rows ``start:stop``."""
+        if stop <= start:
+            return
+        if self._units is None:
+            meta = self._array().metadata
+            grid = meta.chunk_grid.chunk_shape if meta.zarr_format == 3 else meta.chunks
+            grid = tuple(int(g) for g in grid)
+            cols = [range(-(-n // g)) for n, g in zip(self.shape[1:], grid[1:], strict=True)]
+            base = os.path.join(self.path, self.dataset) if self.dataset else self.path
+            self._units = (grid[0], list(itertools.product(*cols)), base, meta)
+        rows, cols, base, meta = self._units
+        for r in range(start // rows, (stop - 1) // rows + 1):
+            for c in cols:
+                yield r, rows, os.path.join(base, meta.encode_chunk_key((r, *c)))
+
+    def overwrite_rows(self, start: int, rows: np.ndarray) -> None:
+        """:meth:`write_rows` for rows that fill whole files (chunks, or shards: see
+        :attr:`write_unit_rows`), whose old contents are not needed: the old files are
+        removed first (zarr reads a shard it rewrites whole), so a damaged one is
+        replaced rather than refused."""
+        if self._mode != "r+":
+            raise ReadOnlyError(
+                f"{self.path} was opened read-only; open it with mode='r+' to write"
+            )
+        stop = start + rows.shape[0]
+        unit = self.write_unit_rows
+        if start % unit or (stop % unit and stop != self.shape[0]):
+            raise GadgetValueError(
+                f"overwrite_rows takes whole units of {unit} rows; got rows {start}:{stop}"
+            )
+        for _r, _rows, path in self._unit_files(start, stop):
+            if not os.path.isdir(path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        self.write_rows(start, rows)
+
+    def _check_files(self, start: int, stop: int) -> None:
+        """Before zarr itself reads or rewrites rows ``start:stop``: each file it opens
+        (chunk, or shard) must be a regular file or missing (zarr would block for ever
+        on a named pipe, or read a device without end), and a shard file must not be
+        empty (zarr reads an empty shard as the fill value: it is a write cut short)."""
+        sharded = getattr(self._array(), "shards", None) is not None
+        for r, rows, path in self._unit_files(start, stop):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue  # not written: zarr reads the fill value
+            except OSError as exc:
+                raise GadgetFileError(f"{self.path}: cannot read {path} ({exc})") from exc
+            span = f"rows {r * rows}:{min((r + 1) * rows, self.shape[0])}"
+            if not stat.S_ISREG(st.st_mode):
+                raise GadgetFileError(f"{self.path}: {path} ({span}) is not a regular file")
+            if sharded and st.st_size == 0:
+                raise GadgetFileError(
+                    f"{self.path}: shard {path} ({span}) is an empty file (a shard holds at "
+                    "least its index): it is damaged or truncated"
+                )
+
     def _read_zarr(self, start: int, stop: int, out: np.ndarray) -> None:
         from zarr.core.buffer import cpu
 
+        self._check_files(start, stop)
         try:
             self._array().get_basic_selection(
                 slice(start, stop), out=cpu.NDBuffer.from_numpy_array(out)
@@ -509,11 +587,17 @@ class ZarrSource(ArraySource):
         except OSError as exc:
             raise GadgetFileError(f"{self.path}: cannot read chunk {k} ({exc})") from exc
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a device or pipe would never end
+                raise GadgetFileError(
+                    f"{self.path}: chunk {k} ({self._chunk_file(k)}) is not a regular file"
+                )
             if self._decoders:
                 raw = _read_compressed(fd, flat.nbytes + flat.nbytes // 64 + _SLACK)
             else:  # stored raw: read straight into place (one byte more shows a longer file)
                 got = os.readv(fd, [flat.data, bytearray(1)])
-        except OSError as exc:
+        except GadgetFileError:
+            raise
+        except (OSError, ValueError) as exc:
             raise GadgetFileError(f"{self.path}: cannot read chunk {k} ({exc})") from exc
         finally:
             os.close(fd)
@@ -558,6 +642,7 @@ class ZarrSource(ArraySource):
             raise ReadOnlyError(
                 f"{self.path} was opened read-only; open it with mode='r+' to write"
             )
+        self._check_files(start, start + rows.shape[0])
         try:
             self._array()[start : start + rows.shape[0]] = rows
         except Exception as exc:

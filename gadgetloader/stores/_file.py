@@ -54,6 +54,9 @@ _BATCH_BYTES = 64 << 20
 #: a scatter reads (and so checks) up to this many bytes of the blocks it rewrites before
 #: its first write: a damaged chunk among them leaves the file unchanged
 PRECHECK_BYTES = 256 << 20
+#: rows an initializer (``fill_``, ``uniform_``, ...) of a file table writes at a time
+#: (rounded to whole chunks or zarr shards)
+INIT_BLOCK_BYTES = 64 << 20
 #: pinned buffers and CUDA events inherited through a fork (never freed in the child)
 _INHERITED: list[Any] = []
 
@@ -881,14 +884,16 @@ class FileStore(Store):
         buf = self._read_rows(start, stop)
         return _torch_bits(buf, self._dtype)
 
-    def _write_block(self, start: int, rows: torch.Tensor) -> None:
+    def _write_block(self, start: int, rows: torch.Tensor, *, whole_units: bool = False) -> None:
         """Write contiguous rows from ``start`` through to the file."""
         self.check_writable()
         data = _numpy_bits(rows.detach().cpu().contiguous())
         stop = start + data.shape[0]
         if stop <= start:
             return
-        self._source(write=True).write_rows(start, data)
+        src = self._source(write=True)
+        overwrite = getattr(src, "overwrite_rows", None) if whole_units else None
+        (overwrite or src.write_rows)(start, data)
         for b in range(start // self.block_rows, (stop - 1) // self.block_rows + 1):
             self._forget(b)
 
@@ -960,17 +965,23 @@ class FileStore(Store):
         with self._guard():
             return self._read_block(start, stop)
 
-    def write_block(self, start: int, rows: torch.Tensor) -> None:
-        """Write contiguous rows from ``start`` through to the file."""
+    def write_block(self, start: int, rows: torch.Tensor, *, whole_units: bool = False) -> None:
+        """Write contiguous rows from ``start`` through to the file. ``whole_units``: the
+        rows fill whole chunks (or zarr shards) and their old values are not needed, so
+        the file need not read them (a damaged chunk is replaced)."""
         self.check_writable()
         with self._guard():
-            self._write_block(start, rows)
+            self._write_block(start, rows, whole_units=whole_units)
             self._drop_others()
             self._push()
 
     def apply_(self, fn: Any, *args: Any, **kwargs: Any) -> None:
         """Run an elementwise initializer (``zero_``, ``fill_``, ``uniform_``, ``normal_``,
         ``torch.nn.init.{zeros_, ones_, constant_, uniform_, normal_}``) block by block.
+
+        The file is not read: every block is whole chunks (or zarr shards), written over,
+        so a damaged chunk is replaced by the new values (an OS error part-way, such as a
+        full disk, can leave part of the table initialized).
 
         Raises
         ------
@@ -985,12 +996,20 @@ class FileStore(Store):
                 "file-backed tables take elementwise initializers (zero_, fill_, uniform_, normal_); "
                 "initialize the table in memory and save it instead"
             )
-        step = max(1, (64 << 20) // max(1, self.row_nbytes))
+        # these initializers set every value without looking at the old ones, so nothing is
+        # read: each block is whole units of the file (chunks, zarr shards), which the file
+        # writes without reading them either, so a damaged chunk is overwritten rather than
+        # failing the call half-way through the table
+        with self._guard():
+            unit = max(1, int(getattr(self._source(write=True), "write_unit_rows", 1)))
+        step = max(1, INIT_BLOCK_BYTES // max(1, self.row_nbytes))
+        step = max(unit, step // unit * unit)
         with torch.no_grad():
             for start in range(0, self.num_rows, step):
-                block = self.read_block(start, min(self.num_rows, start + step))
+                stop = min(self.num_rows, start + step)
+                block = torch.empty((stop - start, *self.row_shape), dtype=self._dtype)
                 fn(block, *args, **kwargs)
-                self.write_block(start, block)
+                self.write_block(start, block, whole_units=True)
 
     def _push(self) -> None:
         """After a write call: its rows out of the source's buffers into the file (not to
