@@ -108,7 +108,32 @@ def _write_json(path: str | None, data: Any, command: str) -> int:
 
 
 #: the file extensions matplotlib's savefig writes (without a backend of its own)
-_PLOT_FORMATS = ("png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+_PLOT_FORMATS = (
+    "png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp", "raw", "rgba",
+)  # fmt: skip
+
+
+def _names_a_stream(path: str) -> bool:
+    """Whether ``path`` is a descriptor's name (``/dev/stdout``, ``/dev/fd/N``,
+    ``/proc/.../fd/N``) or, through any links, the file this process's standard input,
+    output or error is (a run's own output redirected to the file it would replace)."""
+    literal = os.path.abspath(path)
+    if literal in ("/dev/stdin", "/dev/stdout", "/dev/stderr") or literal.startswith(
+        ("/dev/fd/", "/proc/")
+    ):
+        return True
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    for fd in (0, 1, 2):
+        try:
+            std = os.fstat(fd)
+        except OSError:
+            continue
+        if (std.st_dev, std.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
 
 
 def _check_json_target(
@@ -147,10 +172,11 @@ def _check_json_target(
             f"{option} {path}: it is not a regular file (a device, pipe or socket), and "
             f"{option} replaces what is at its path; give a file name"
         )
-    if replaces and os.path.abspath(path).startswith(("/dev/", "/proc/")):
+    if replaces and _names_a_stream(path):
         parser.error(
-            f"{option} {path}: names a device or a file descriptor, and {option} replaces "
-            "what is at its path; give a file name"
+            f"{option} {path}: names a file descriptor or this process's standard "
+            f"input, output or error, and {option} replaces what is at its path (it does "
+            "not write to it); give a file name"
         )
     if os.path.exists(path) and not os.access(path, os.W_OK):
         parser.error(f"{option} {path}: the file is not writable")

@@ -95,6 +95,53 @@ def test_initializer_overwrites_a_damaged_chunk_past_the_first_block(
     assert expect(on_disk)
 
 
+def test_initializer_failing_part_way_removes_no_healthy_shard(tmp_path, monkeypatch):
+    from gadgetloader.io import _zarr as zarr_source
+    from gadgetloader.stores import _file
+
+    p = tmp_path / "t.zarr"
+    a = _zarr_table(p, "shard", rows=40)
+    real = zarr_source.ZarrSource.write_rows
+
+    def disk_full_from_row_20(self, start, rows):
+        if start >= 20:
+            raise gl.GadgetFileError("no space left (simulated)")
+        return real(self, start, rows)
+
+    monkeypatch.setattr(zarr_source.ZarrSource, "write_rows", disk_full_from_row_20)
+    monkeypatch.setattr(_file, "INIT_BLOCK_BYTES", 7 * 16)  # blocks of one shard (10 rows)
+    g = gl.DataGadget(str(p), placement="file")
+    with pytest.raises(gl.GadgetFileError, match="simulated"):
+        g.fill_(5.0)
+    g.close()
+    monkeypatch.undo()
+    on_disk = zarr.open_array(str(p), mode="r")[:]
+    assert (on_disk[:20] == 5.0).all()
+    np.testing.assert_array_equal(on_disk[20:], a[20:])  # not removed, not zeroed
+
+
+def test_initializer_holds_a_huge_shard_in_chunks(tmp_path, monkeypatch):
+    from gadgetloader.stores import _file
+
+    p = tmp_path / "t.zarr"
+    _zarr_table(p, "shard", rows=40)  # shards of 10 rows (160 B), chunks of 5
+    seen = []
+    real = _file.FileStore._write_block
+
+    def spy(self, start, rows, **kw):
+        seen.append(rows.shape[0])
+        return real(self, start, rows, **kw)
+
+    monkeypatch.setattr(_file.FileStore, "_write_block", spy)
+    monkeypatch.setattr(_file, "INIT_BLOCK_BYTES", 16)
+    monkeypatch.setattr(_file, "INIT_MAX_UNIT_BYTES", 100)  # a shard is "huge"
+    g = gl.DataGadget(str(p), placement="file")
+    g.fill_(3.0)
+    g.close()
+    assert seen == [5] * 8  # whole chunks, not whole shards
+    assert (zarr.open_array(str(p), mode="r")[:] == 3.0).all()
+
+
 def test_initializer_writes_every_row_of_an_hdf5_table(tmp_path, monkeypatch):
     h5py = pytest.importorskip("h5py")
     from gadgetloader.stores import _file
@@ -224,6 +271,45 @@ def test_json_into_a_named_pipe_or_device_is_refused_before_the_run(tmp_path, ca
 def test_json_to_stdout_is_refused(capsys):
     code, err = _cli(["bench", "--rows", "100", "--ids", "10", "--json", "/dev/stdout"], capsys)
     assert code == 2 and "file descriptor" in err, err
+
+
+def test_json_onto_the_file_stdout_goes_to_is_refused(tmp_path):
+    out = tmp_path / "out.json"
+    link = tmp_path / "link.json"
+    link.symlink_to(out)
+    for target in (out, link):
+        with open(out, "w") as f:
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "gadgetloader",
+                    "info",
+                    "--no-measure",
+                    "--json",
+                    str(target),
+                ],
+                stdout=f,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=120,
+            )
+        assert r.returncode == 2 and "standard" in r.stderr, r.stderr
+    assert out.read_text() == ""  # not replaced
+
+
+def test_json_in_an_ordinary_folder_under_dev_is_written(tmp_path, capsys):
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm here")
+    target = shm / f"gadgetloader-test-{os.getpid()}.json"
+    try:
+        from gadgetloader.cli import main
+
+        assert main(["info", "--no-measure", "--json", str(target)]) in (0, None)
+        assert target.read_text().startswith("{")
+    finally:
+        target.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("name,says", [("plot", "no extension"), ("plot.jpgz", ".jpgz")])

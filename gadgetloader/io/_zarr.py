@@ -483,25 +483,55 @@ class ZarrSource(ArraySource):
                 yield r, rows, os.path.join(base, meta.encode_chunk_key((r, *c)))
 
     def overwrite_rows(self, start: int, rows: np.ndarray) -> None:
-        """:meth:`write_rows` for rows that fill whole files (chunks, or shards: see
-        :attr:`write_unit_rows`), whose old contents are not needed: the old files are
-        removed first (zarr reads a shard it rewrites whole), so a damaged one is
-        replaced rather than refused."""
-        if self._mode != "r+":
-            raise ReadOnlyError(
-                f"{self.path} was opened read-only; open it with mode='r+' to write"
-            )
+        """:meth:`write_rows` for rows whose old values are not needed (an initializer's).
+
+        zarr writes whole chunks without reading them, but reads a shard it rewrites
+        whole: where that read finds the shard damaged (it cannot be read either), a
+        shard the rows cover whole is removed and written anew, so the damage is
+        replaced rather than refused. Healthy files are never removed, so a write that
+        fails (a full disk) leaves their old values."""
+        if getattr(self._array(), "shards", None) is None:
+            self.write_rows(start, rows)
+            return
+        try:
+            self.write_rows(start, rows)
+            return
+        except GadgetFileError:
+            pass  # find the shard that failed: shard by shard
         stop = start + rows.shape[0]
         unit = self.write_unit_rows
-        if start % unit or (stop % unit and stop != self.shape[0]):
-            raise GadgetValueError(
-                f"overwrite_rows takes whole units of {unit} rows; got rows {start}:{stop}"
-            )
-        for _r, _rows, path in self._unit_files(start, stop):
-            if not os.path.isdir(path):
-                with contextlib.suppress(FileNotFoundError):
+        edges = [start, *range((start // unit + 1) * unit, stop, unit), stop]
+        for u0, u1 in zip(edges, edges[1:], strict=False):
+            part = rows[u0 - start : u1 - start]
+            try:
+                self.write_rows(u0, part)
+                continue
+            except GadgetFileError:
+                whole = u0 % unit == 0 and (u1 % unit == 0 or u1 == self.shape[0])
+                if not whole or self._readable(u0, part):
+                    raise  # not a damaged shard the rows replace: the write's own error
+            for _r, _rows, path in self._unit_files(u0, u1):
+                if os.path.isdir(path):
+                    continue
+                try:
                     os.unlink(path)
-        self.write_rows(start, rows)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    raise GadgetFileError(
+                        f"{self.path}: cannot remove the damaged shard {path} to write it "
+                        f"anew ({exc})"
+                    ) from exc
+            self.write_rows(u0, part)
+
+    def _readable(self, start: int, like: np.ndarray) -> bool:
+        """Whether the rows from ``start`` (as many, and of the kind, of ``like``) read
+        without a :class:`GadgetFileError`."""
+        try:
+            self.read_into(start, start + like.shape[0], np.empty_like(like))
+        except GadgetFileError:
+            return False
+        return True
 
     def _check_files(self, start: int, stop: int) -> None:
         """Before zarr itself reads or rewrites rows ``start:stop``: each file it opens

@@ -57,6 +57,8 @@ PRECHECK_BYTES = 256 << 20
 #: rows an initializer (``fill_``, ``uniform_``, ...) of a file table writes at a time
 #: (rounded to whole chunks or zarr shards)
 INIT_BLOCK_BYTES = 64 << 20
+#: a block is at least one whole write unit (chunk, zarr shard) up to this size
+INIT_MAX_UNIT_BYTES = 256 << 20
 #: pinned buffers and CUDA events inherited through a fork (never freed in the child)
 _INHERITED: list[Any] = []
 
@@ -893,9 +895,11 @@ class FileStore(Store):
             return
         src = self._source(write=True)
         overwrite = getattr(src, "overwrite_rows", None) if whole_units else None
-        (overwrite or src.write_rows)(start, data)
-        for b in range(start // self.block_rows, (stop - 1) // self.block_rows + 1):
-            self._forget(b)
+        try:
+            (overwrite or src.write_rows)(start, data)
+        finally:  # (after a failure too: what the file holds there is not known)
+            for b in range(start // self.block_rows, (stop - 1) // self.block_rows + 1):
+                self._forget(b)
 
     # ---- public entry points: one file lock, a check that the file is unchanged -----------------
     def gather(
@@ -979,9 +983,12 @@ class FileStore(Store):
         """Run an elementwise initializer (``zero_``, ``fill_``, ``uniform_``, ``normal_``,
         ``torch.nn.init.{zeros_, ones_, constant_, uniform_, normal_}``) block by block.
 
-        The file is not read: every block is whole chunks (or zarr shards), written over,
-        so a damaged chunk is replaced by the new values (an OS error part-way, such as a
-        full disk, can leave part of the table initialized).
+        The file is not read: every block is whole chunks (or zarr shards of up to
+        :data:`INIT_MAX_UNIT_BYTES`), written over, so a damaged chunk or shard is replaced
+        by the new values; in a larger shard, blocks are whole chunks and zarr reads the
+        shard they rewrite, so a damaged one raises :class:`~gadgetloader.GadgetFileError`.
+        An error part-way (a full disk) leaves the blocks before it initialized and the
+        rest as they were.
 
         Raises
         ------
@@ -998,10 +1005,15 @@ class FileStore(Store):
             )
         # these initializers set every value without looking at the old ones, so nothing is
         # read: each block is whole units of the file (chunks, zarr shards), which the file
-        # writes without reading them either, so a damaged chunk is overwritten rather than
-        # failing the call half-way through the table
+        # writes without reading them either (a damaged zarr shard is written anew, see
+        # ZarrSource.overwrite_rows), so damage is overwritten rather than failing the call
+        # half-way through the table. A unit above INIT_MAX_UNIT_BYTES (a huge shard) is
+        # not held whole: blocks are then whole chunks of it
         with self._guard():
-            unit = max(1, int(getattr(self._source(write=True), "write_unit_rows", 1)))
+            src = self._source(write=True)
+            unit = max(1, int(getattr(src, "write_unit_rows", 1)))
+            if unit * self.row_nbytes > INIT_MAX_UNIT_BYTES:
+                unit = max(1, min(unit, int(getattr(src, "chunk_rows", 1) or 1)))
         step = max(1, INIT_BLOCK_BYTES // max(1, self.row_nbytes))
         step = max(unit, step // unit * unit)
         with torch.no_grad():
