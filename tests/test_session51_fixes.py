@@ -416,3 +416,115 @@ def test_word2vec_failed_save_keeps_the_previous_pair(tmp_path, monkeypatch):
     assert Path(f"{prefix}.vocab.txt").read_text() == words
     np.testing.assert_array_equal(np.load(f"{prefix}.npy"), vectors)
     assert sorted(os.listdir(tmp_path)) == ["c.txt", "v.npy", "v.vocab.txt"]
+
+
+# ---- HDF5 (a fourth review: HDF5 and .npy) -----------------------------------------------------
+
+h5py = pytest.importorskip("h5py")
+
+
+def _damage_h5_chunk(path: Path, coord: tuple[int, ...]) -> None:
+    with h5py.File(path, "r") as f:
+        info = f["x"].id.get_chunk_info_by_coord(coord)
+    with open(path, "r+b") as fh:
+        fh.seek(info.byte_offset)
+        fh.write(b"\xff" * info.size)
+
+
+def _h5_table(path: Path, shape, chunks) -> np.ndarray:
+    a = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + 1
+    with h5py.File(path, "w") as f:
+        f.create_dataset("x", data=a, chunks=chunks, compression="gzip")
+    return a
+
+
+@pytest.mark.parametrize(
+    "shape,chunks,bad",
+    [((50, 6), (8, 6), (48, 0)), ((48, 6), (8, 4), (0, 4))],
+    ids=["row-edge", "column-edge"],
+)
+def test_hdf5_damaged_edge_chunk_refused_before_anything_is_written(shape, chunks, bad, tmp_path):
+    p = tmp_path / "t.h5"
+    _h5_table(p, shape, chunks)
+    _damage_h5_chunk(p, bad)
+    before = p.read_bytes()
+    g = gl.DataGadget(str(p), placement="file")
+    with pytest.raises(gl.GadgetFileError):
+        g.fill_(2.0)
+    ids = [0, 1, 2, 3, 4, 5, 6, 7, shape[0] - 1]
+    with pytest.raises(gl.GadgetFileError):
+        g.insertData(np.zeros((len(ids), shape[1]), np.float32), ids)
+    g.close()
+    assert p.read_bytes() == before  # (compared once closed: an open file is marked so)
+
+
+def test_hdf5_damaged_interior_chunk_is_replaced_by_an_initializer(tmp_path):
+    p = tmp_path / "t.h5"
+    _h5_table(p, (50, 6), (8, 6))
+    _damage_h5_chunk(p, (8, 0))
+    g = gl.DataGadget(str(p), placement="file")
+    g.fill_(2.0)
+    g.close()
+    with h5py.File(p, "r") as f:
+        assert (f["x"][:] == 2.0).all()
+
+
+@pytest.mark.parametrize("placement", ["cpu", "file"])
+def test_hdf5_external_link_to_a_named_pipe_is_an_error_not_a_hang(placement, tmp_path):
+    main = tmp_path / "main.h5"
+    with h5py.File(main, "w") as f:
+        f["ext"] = h5py.ExternalLink("target.h5", "/x")
+        f["g/soft"] = h5py.SoftLink("/ext")
+        f["good"] = np.ones((3, 2), np.float32)
+    os.mkfifo(tmp_path / "target.h5")
+    for name in ("ext", "g/soft"):
+        with pytest.raises(gl.GadgetFileError, match="not a regular file"):
+            gl.DataGadget(str(main), dataset=name, placement=placement)
+    with pytest.raises(gl.GadgetKeyError, match="'good'"):  # the listing skips the link
+        gl.DataGadget(str(main), dataset="wrong", placement=placement)
+
+
+@pytest.mark.parametrize("placement", ["cpu", "file"])
+def test_hdf5_external_raw_storage_in_a_named_pipe_says_so(placement, tmp_path):
+    main = tmp_path / "main.h5"
+    raw = tmp_path / "raw.bin"
+    raw.write_bytes(np.ones((4, 2), np.float32).tobytes())
+    with h5py.File(main, "w") as f:
+        f.create_dataset("x", shape=(4, 2), dtype="f4", external=[("raw.bin", 0, 32)])
+    raw.unlink()
+    os.mkfifo(raw)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(gl.GadgetFileError, match="not a regular file"):
+            gl.DataGadget(str(main), placement=placement)
+    finally:
+        os.chdir(cwd)
+
+
+def test_hdf5_lossy_table_reads_what_the_file_stores_after_a_write(tmp_path):
+    p = tmp_path / "so.h5"
+    with h5py.File(p, "w") as f:
+        f.create_dataset("x", data=np.zeros((8, 4), np.float32), chunks=(4, 4), scaleoffset=2)
+    g = gl.DataGadget(str(p), placement="file")
+    g.insertData(np.array([[1.23456, 2.34567, 3.45678, 4.56789]], np.float32), [0])
+    seen = g.getData([0]).cpu().numpy()
+    g.close()
+    with h5py.File(p, "r") as f:
+        stored = f["x"][0]
+    np.testing.assert_array_equal(seen[0], stored)
+    assert not np.allclose(stored, [1.23456, 2.34567, 3.45678, 4.56789], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("placement", ["cpu", "file"])
+def test_hdf5_damaged_metadata_is_a_gadget_error_naming_the_file(placement, tmp_path):
+    p = tmp_path / "t.h5"
+    with h5py.File(p, "w", libver="earliest") as f:
+        f["x"] = np.ones((4, 2), np.float32)
+    data = bytearray(p.read_bytes())
+    at = data.find(b"HEAP")
+    assert at > 0
+    data[at : at + 4] = b"XXXX"
+    p.write_bytes(bytes(data))
+    with pytest.raises(gl.GadgetFileError, match=str(p)):
+        gl.DataGadget(str(p), dataset="x", placement=placement)

@@ -34,6 +34,7 @@ import torch
 
 from .._dtypes import dtype_name, numpy_dtype
 from .._errors import (
+    GadgetError,
     GadgetFileError,
     GadgetFileNotFoundError,
     GadgetKeyError,
@@ -118,7 +119,7 @@ def is_hdf5(path: str | os.PathLike[str]) -> bool:
     return False
 
 
-def _h5_open(h5py: ModuleType, path: str, mode: str) -> Any:
+def _h5_open(h5py: ModuleType, path: str, mode: str, *, cache: bool = True) -> Any:
     """Open ``path``; in a DataLoader worker process, read-only and without HDF5's file
     lock (``locking=False``).
 
@@ -135,6 +136,9 @@ def _h5_open(h5py: ModuleType, path: str, mode: str) -> Any:
     block rewrote its whole chunk: 2.7x slower in a review's test). A new file a save
     writes has none (:class:`Hdf5Sink`): a chunk HDF5 still caches when a write fails
     for want of space crashes the process when the file is closed (upstream).
+    ``cache=False`` opens without the chunk cache: a handle writing a dataset whose
+    filters are lossy (scale-offset), where the cache would hand back the rows as written
+    rather than as the file stores them.
     """
     if mode == "r" and _worker_info() is not None:
         try:
@@ -146,7 +150,7 @@ def _h5_open(h5py: ModuleType, path: str, mode: str) -> Any:
             # user's own h5py code held when the worker was forked
             if "locking flag" not in str(exc):
                 raise
-    return h5py.File(path, mode)
+    return h5py.File(path, mode) if cache else h5py.File(path, mode, rdcc_nbytes=0)
 
 
 def _worker_info() -> Any:
@@ -317,11 +321,13 @@ def _datasets_in(f: Any, h5py: ModuleType) -> list[str]:
         group.visititems(visit)
         for sub, g in groups:
             for key in g:
-                if not isinstance(g.get(key, getlink=True), h5py.ExternalLink):
+                link = g.get(key, getlink=True)
+                if not isinstance(link, h5py.ExternalLink):
                     continue
                 try:
+                    _check_link_file(link, g.file.filename, key)
                     target = g.get(key)
-                except (KeyError, OSError):  # its file or object is missing
+                except (KeyError, OSError):  # its file or object is missing (or a pipe)
                     continue
                 if isinstance(target, h5py.Dataset):
                     add(prefix + sub + key, target)
@@ -330,6 +336,58 @@ def _datasets_in(f: Any, h5py: ModuleType) -> list[str]:
 
     walk(f, "")
     return names
+
+
+def _link_file_candidates(filename: str, home: str) -> list[str]:
+    """Where HDF5 looks for an external link's file (``HDF5_EXT_PREFIX``, the linking
+    file's folder, the working folder; an absolute name as it is, then by its base name)."""
+    if os.path.isabs(filename):
+        names, base = [filename], os.path.basename(filename)
+    else:
+        names, base = [], filename
+    prefixes = [p for p in os.environ.get("HDF5_EXT_PREFIX", "").split(":") if p]
+    folders = [*prefixes, os.path.dirname(os.path.realpath(home)), os.getcwd()]
+    return names + [os.path.join(d, base) for d in folders]
+
+
+def _check_link_file(link: Any, home: str, where: str) -> None:
+    """Refuse an external link whose file is a named pipe, device or socket: HDF5 would
+    open it and wait for ever (a missing file is HDF5's own, ordinary error)."""
+    for c in _link_file_candidates(link.filename, home):
+        if os.path.exists(c) and not os.path.isfile(c):
+            raise GadgetFileError(
+                f"{where} is an external link to {link.filename}:{link.path}, and {c} is not a "
+                "regular file (a named pipe, device or socket, which HDF5 would wait on for ever)"
+            )
+        if os.path.isfile(c):
+            return  # HDF5 opens the first it finds
+
+
+def _check_links_on_path(f: Any, h5py: ModuleType, name: str, where: str, depth: int = 0) -> None:
+    """Check the external links met on the way to ``name`` (see :func:`_check_link_file`),
+    following soft links (a few deep) as HDF5 would, before ``f.get(name)`` opens them."""
+    group = f
+    parts = [p for p in name.split("/") if p]
+    for i, part in enumerate(parts):
+        try:
+            link = group.get(part, getlink=True)
+        except (KeyError, OSError, RuntimeError):
+            return
+        if isinstance(link, h5py.ExternalLink):
+            _check_link_file(link, group.file.filename, where)
+        elif isinstance(link, h5py.SoftLink) and depth < 8:
+            target = link.path
+            if not target.startswith("/"):
+                target = group.name.rstrip("/") + "/" + target
+            _check_links_on_path(group.file, h5py, target, where, depth + 1)
+        if i == len(parts) - 1:
+            return
+        try:
+            group = group.get(part)
+        except (KeyError, OSError, RuntimeError):
+            return
+        if not isinstance(group, h5py.Group):
+            return
 
 
 def _dangling_link(f: Any, h5py: ModuleType, name: str) -> str | None:
@@ -348,12 +406,21 @@ def _dangling_links(f: Any, h5py: ModuleType) -> dict[str, str]:
     out = {}
     for name in f:
         try:
+            _check_links_on_path(f, h5py, name, name)
             f[name]
         except (KeyError, OSError):
             target = _dangling_link(f, h5py, name)
             if target is not None:
                 out[name] = target
     return out
+
+
+def _missing_or_odd(places: list[str]) -> str:
+    """Why none of ``places`` is a file HDF5 can read rows from (for a message)."""
+    odd = [c for c in places if os.path.exists(c)]
+    if odd:
+        return f"is not a regular file ({odd[0]} is a folder, named pipe, device or socket)"
+    return "cannot be found"
 
 
 def _resolve_row_file(name: str, home: str, env: str, beside_home: bool) -> list[str]:
@@ -384,16 +451,13 @@ def _rows_elsewhere(obj: Any, home: str, where: str, h5py: ModuleType) -> tuple[
             name = src.file_name
             if name == "." or "%" in name:  # this file; a printf-style name pattern
                 continue
-            found = [
-                c
-                for c in _resolve_row_file(name, home, "HDF5_VDS_PREFIX", True)
-                if os.path.isfile(c)
-            ]
+            places = _resolve_row_file(name, home, "HDF5_VDS_PREFIX", True)
+            found = [c for c in places if os.path.isfile(c)]
             if not found:
                 raise GadgetFileError(
-                    f"{where} is an HDF5 virtual dataset with rows in {name!r}, which cannot be "
-                    "found (HDF5 would read those rows as the fill value); put that file back, or "
-                    "open the source datasets themselves"
+                    f"{where} is an HDF5 virtual dataset with rows in {name!r}, which "
+                    f"{_missing_or_odd(places)} (HDF5 would read those rows as the fill value); "
+                    "put that file back, or open the source datasets themselves"
                 )
             path = found[0]
             try:
@@ -419,14 +483,12 @@ def _rows_elsewhere(obj: Any, home: str, where: str, h5py: ModuleType) -> tuple[
         have = 0
         for name, offset, size in external:
             name = os.fsdecode(name)
-            found = [
-                c
-                for c in _resolve_row_file(name, home, "HDF5_EXTFILE_PREFIX", False)
-                if os.path.isfile(c)
-            ]
+            places = _resolve_row_file(name, home, "HDF5_EXTFILE_PREFIX", False)
+            found = [c for c in places if os.path.isfile(c)]
             if not found:
                 raise GadgetFileError(
-                    f"{where} stores its rows in the external file {name!r}, which cannot be found"
+                    f"{where} stores its rows in the external file {name!r}, which "
+                    f"{_missing_or_odd(places)}"
                 )
             path = found[0]
             have += max(0, min(int(size), os.path.getsize(path) - int(offset)))
@@ -554,6 +616,7 @@ class Hdf5Source(ArraySource):
                             "to choose one"
                         )
                     dataset = names[0]
+                _check_links_on_path(f, h5py, dataset, f"{self.path}[{dataset!r}]")
                 try:
                     obj = f.get(dataset)
                 except (KeyError, OSError):  # an external link whose target cannot be opened
@@ -620,15 +683,27 @@ class Hdf5Source(ArraySource):
                 self._stored = obj.dtype
                 chunks = obj.chunks
                 self.chunked = chunks is not None
+                #: a row is split over chunks that do not divide it: every chunk is an edge
+                self._column_edges = chunks is not None and any(
+                    int(n) % int(k) for n, k in zip(obj.shape[1:], chunks[1:], strict=True)
+                )
                 if chunks is not None:
                     self.chunk_rows = int(chunks[0])
                 else:
                     self.chunk_rows = max(1, _CONTIGUOUS_BLOCK_BYTES // max(1, self.row_nbytes))
                 self._direct = self._direct_mode(obj, chunks)
                 self.exact_writes = _exact_filters(obj, h5py)
-            except BaseException:
+            except BaseException as exc:
                 self.close()
+                if isinstance(exc, RuntimeError) and not isinstance(exc, GadgetError):
+                    # h5py's error for damaged metadata (a heap or B-tree signature)
+                    raise GadgetFileError(
+                        f"cannot read HDF5 file {self.path}: its metadata is damaged or was "
+                        f"changed while it was read ({exc})"
+                    ) from exc
                 raise
+            if self._mode == "r+" and not self.exact_writes:
+                self._drop_handles()  # reopened without the chunk cache (see _h5_open)
 
     # ---- handles ----------------------------------------------------------------------
     def writes_in_place(self) -> bool:
@@ -663,6 +738,22 @@ class Hdf5Source(ArraySource):
         """A chunked dataset's chunk length (HDF5 rewrites whole chunks); 1 for contiguous."""
         return self.chunk_rows if self.chunked else 1
 
+    def reads_on_write(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """Row ranges HDF5 reads when rows ``start:stop`` are written, though they are
+        written whole: its edge chunks, which reach past the dataset's end (rows not a
+        multiple of the chunk's) or its columns (a row split over chunks that do not
+        divide it). A damaged one fails the write, so a writer checks them first."""
+        if not self.chunked or stop <= start:
+            return []
+        c = self.chunk_rows
+        n = self.shape[0]
+        if self._column_edges:
+            return [(start // c * c, min(n, -(-stop // c) * c))]
+        last = (n - 1) // c * c
+        if n % c and stop > last:
+            return [(last, n)]
+        return []
+
     def _open_file(self, h5py: ModuleType | None = None) -> Any:
         h5py = h5py or import_h5py()
         pid = os.getpid()
@@ -679,8 +770,10 @@ class Hdf5Source(ArraySource):
                 self._awaiting_gate = True  # (a fork's hook need not wait for this thread)
                 with _OPEN_GATE[0]:  # never between a fork's hook and the fork
                     self._awaiting_gate = False
+                    # (a writing handle of a lossy dataset reads what the file stores)
+                    cache = not (self._mode == "r+" and not getattr(self, "exact_writes", True))
                     try:
-                        self._file = _h5_open(h5py, self.path, self._mode)
+                        self._file = _h5_open(h5py, self.path, self._mode, cache=cache)
                     except OSError as exc:
                         # HDF5 refuses 'r+' while this process holds the file open read-only
                         # (another table of the same file, say); those readers let go of
@@ -691,7 +784,7 @@ class Hdf5Source(ArraySource):
                             and _release_readers(self)
                         ):
                             raise
-                        self._file = _h5_open(h5py, self.path, self._mode)
+                        self._file = _h5_open(h5py, self.path, self._mode, cache=cache)
             except OSError as exc:
                 text = str(exc).lower()
                 hint = (
