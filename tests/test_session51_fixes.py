@@ -196,6 +196,26 @@ def test_compressed_chunk_far_larger_than_any_codec_writes_is_an_error(placement
         g.getData(np.arange(20))
 
 
+def test_chunk_read_bound_holds_with_a_larger_kept_buffer(tmp_path):
+    from gadgetloader.io import _zarr as zarr_source
+
+    zarr_source._SCRATCH.buf = bytearray(1 << 20)  # this thread read a larger chunk before
+    # (what fits the kept buffer is returned whole; the decoder then judges its size)
+    for size, ok in ((900, True), (5000, True), (3 << 20, False)):
+        f = tmp_path / f"chunk{size}"
+        data = os.urandom(size)
+        f.write_bytes(data)
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            if ok:
+                assert bytes(zarr_source._read_compressed(fd, 1000)) == data
+            else:
+                with pytest.raises(ValueError, match="more than 4000 bytes"):
+                    zarr_source._read_compressed(fd, 1000)
+        finally:
+            os.close(fd)
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_empty_shard_file_is_damage_not_fill_values(placement, tmp_path):
     p = tmp_path / "t.zarr"

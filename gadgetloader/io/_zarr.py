@@ -214,13 +214,14 @@ def _read_compressed(fd: int, cap: int) -> Any:
         return memoryview(buf)[:n]
     # more than expected (an incompressible chunk): read the rest, up to a bound no codec's
     # output comes near (a huge or endless file is damage, not a chunk)
+    # (this thread's kept buffer may be larger than ``cap``: then so is what was read)
     limit = _MAX_EXPANSION * cap
     parts, got = [bytes(buf)], len(buf)
-    while more := os.read(fd, min(1 << 20, limit + 1 - got)):
+    while got <= limit and (more := os.read(fd, min(1 << 20, limit + 1 - got))):
         parts.append(more)
         got += len(more)
-        if got > limit:
-            raise ValueError(f"the file holds more than {limit} bytes")
+    if got > limit:
+        raise ValueError(f"the file holds more than {limit} bytes")
     return b"".join(parts)
 
 
