@@ -8,6 +8,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -115,18 +116,20 @@ _PLOT_FORMATS = (
 
 def _names_a_stream(path: str) -> bool:
     """Whether ``path`` is a descriptor's name (``/dev/stdout``, ``/dev/fd/N``,
-    ``/proc/.../fd/N``) or, through any links, the file this process's standard input,
-    output or error is (a run's own output redirected to the file it would replace)."""
-    literal = os.path.abspath(path)
-    if literal in ("/dev/stdin", "/dev/stdout", "/dev/stderr") or literal.startswith(
-        ("/dev/fd/", "/proc/")
+    ``/proc/.../fd/N``) or, through any links, the file this process's standard output
+    or error is (a run's own output redirected to the file it would replace)."""
+    literal = os.path.normpath("/" + os.path.abspath(path).lstrip("/"))
+    if (
+        literal in ("/dev/stdin", "/dev/stdout", "/dev/stderr")
+        or literal.startswith("/dev/fd/")
+        or re.match(r"/proc/[^/]+/fd/", literal)
     ):
         return True
     try:
         st = os.stat(path)
     except OSError:
         return False
-    for fd in (0, 1, 2):
+    for fd in (1, 2):
         try:
             std = os.fstat(fd)
         except OSError:
@@ -174,8 +177,8 @@ def _check_json_target(
         )
     if replaces and _names_a_stream(path):
         parser.error(
-            f"{option} {path}: names a file descriptor or this process's standard "
-            f"input, output or error, and {option} replaces what is at its path (it does "
+            f"{option} {path}: names a file descriptor or this run's standard "
+            f"output or error, and {option} replaces what is at its path (it does "
             "not write to it); give a file name"
         )
     if os.path.exists(path) and not os.access(path, os.W_OK):

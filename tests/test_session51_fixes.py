@@ -548,3 +548,97 @@ def test_hdf5_damaged_metadata_is_a_gadget_error_naming_the_file(placement, tmp_
     p.write_bytes(bytes(data))
     with pytest.raises(gl.GadgetFileError, match=str(p)):
         gl.DataGadget(str(p), dataset="x", placement=placement)
+
+
+# ---- a review of the fixes above -----------------------------------------------------------
+
+
+def test_hdf5_external_link_through_another_file_to_a_named_pipe(tmp_path):
+    with h5py.File(tmp_path / "mid.h5", "w") as f:
+        f["g"] = h5py.ExternalLink("fifo.h5", "/g")
+    os.mkfifo(tmp_path / "fifo.h5")
+    with h5py.File(tmp_path / "main.h5", "w") as f:
+        f["e"] = h5py.ExternalLink("mid.h5", "/g/x")
+    with pytest.raises(gl.GadgetFileError, match="fifo.h5"):
+        gl.DataGadget(str(tmp_path / "main.h5"), dataset="e", placement="cpu")
+    with pytest.raises(gl.GadgetError):  # the listing skips it: no dataset left
+        gl.DataGadget(str(tmp_path / "main.h5"), placement="cpu")
+
+
+def test_hdf5_external_link_from_a_linked_file_looks_beside_the_link(tmp_path):
+    a, b = tmp_path / "A", tmp_path / "B"
+    a.mkdir()
+    b.mkdir()
+    with h5py.File(b / "main.h5", "w") as f:
+        f["e"] = h5py.ExternalLink("data.h5", "/x")
+    (a / "main.h5").symlink_to(b / "main.h5")
+    with h5py.File(a / "data.h5", "w") as f:
+        f["x"] = np.full((2, 2), 7.0, np.float32)
+    os.mkfifo(b / "data.h5")  # HDF5 looks beside the path it opened (A), not here
+    g = gl.DataGadget(str(a / "main.h5"), dataset="e", placement="cpu")
+    assert (g.getData([0]).cpu().numpy() == 7.0).all()
+
+
+def test_hdf5_damaged_full_chunk_of_a_column_edge_table_is_replaced(tmp_path):
+    p = tmp_path / "t.h5"
+    _h5_table(p, (40, 6), (4, 4))  # every row's last chunk is a column edge
+    _damage_h5_chunk(p, (8, 0))  # a full chunk
+    g = gl.DataGadget(str(p), placement="file")
+    g.fill_(5.0)
+    g.close()
+    with h5py.File(p, "r") as f:
+        assert (f["x"][:] == 5.0).all()
+
+
+def test_hdf5_lossy_table_beside_another_writing_table_of_the_file(tmp_path):
+    p = tmp_path / "two.h5"
+    with h5py.File(p, "w") as f:
+        f.create_dataset("a", data=np.zeros((8, 4), np.float32), chunks=(4, 4), compression="gzip")
+        f.create_dataset("x", data=np.zeros((8, 4), np.float32), chunks=(4, 4), scaleoffset=2)
+    a = gl.DataGadget(str(p), dataset="a", placement="file")
+    a.insertData(np.ones((1, 4), np.float32), [0])
+    x = gl.DataGadget(str(p), dataset="x", placement="file")
+    x.insertData(np.array([[1.23456, 2.34567, 3.45678, 4.56789]], np.float32), [0])
+    seen = x.getData([0]).cpu().numpy()[0]
+    x.close()
+    a.close()
+    with h5py.File(p, "r") as f:
+        np.testing.assert_array_equal(seen, f["x"][0])
+
+
+def test_initializer_removes_only_the_damaged_column_shard(tmp_path, monkeypatch):
+    from gadgetloader.io import _zarr as zarr_source
+    from gadgetloader.stores import _file
+
+    p = tmp_path / "t.zarr"
+    a = (np.arange(40 * 8, dtype=np.float32).reshape(40, 8) + 1).copy()
+    zarr.create_array(str(p), shape=a.shape, chunks=(5, 4), shards=(10, 4), dtype="f4")[:] = a
+    (p / "c" / "1" / "0").write_bytes(b"garbage")  # rows 10:20, columns 0:4
+    removed = []
+    real_unlink = os.unlink
+
+    def spy(path, *args, **kwargs):
+        removed.append(os.path.relpath(path, p))
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(zarr_source.os, "unlink", spy)
+    monkeypatch.setattr(_file, "INIT_BLOCK_BYTES", 10 * 32)
+    g = gl.DataGadget(str(p), placement="file")
+    g.fill_(5.0)
+    g.close()
+    assert removed == [os.path.join("c", "1", "0")]
+    assert (zarr.open_array(str(p), mode="r")[:] == 5.0).all()
+
+
+@pytest.mark.parametrize("kind", ["zstd", "raw", "shard"])
+def test_initializer_replaces_a_named_pipe_chunk(kind, tmp_path):
+    p = tmp_path / "t.zarr"
+    _zarr_table(p, kind)
+    chunk = p / "c" / "1" / "0"
+    chunk.unlink()
+    os.mkfifo(chunk)
+    g = gl.DataGadget(str(p), placement="file")
+    g.fill_(5.0)
+    g.close()
+    assert chunk.is_file()
+    assert (zarr.open_array(str(p), mode="r")[:] == 5.0).all()

@@ -325,7 +325,7 @@ def _datasets_in(f: Any, h5py: ModuleType) -> list[str]:
                 if not isinstance(link, h5py.ExternalLink):
                     continue
                 try:
-                    _check_link_file(link, g.file.filename, key)
+                    _check_links_on_path(g, h5py, key, key)
                     target = g.get(key)
                 except (KeyError, OSError):  # its file or object is missing (or a pipe)
                     continue
@@ -339,20 +339,22 @@ def _datasets_in(f: Any, h5py: ModuleType) -> list[str]:
 
 
 def _link_file_candidates(filename: str, home: str) -> list[str]:
-    """Where HDF5 looks for an external link's file (``HDF5_EXT_PREFIX``, the linking
-    file's folder, the working folder; an absolute name as it is, then by its base name)."""
+    """Where HDF5 looks for an external link's file (``HDF5_EXT_PREFIX``, the folder of
+    the linking file as it was opened -- not through its symbolic links --, the working
+    folder; an absolute name as it is first)."""
     if os.path.isabs(filename):
         names, base = [filename], os.path.basename(filename)
     else:
         names, base = [], filename
     prefixes = [p for p in os.environ.get("HDF5_EXT_PREFIX", "").split(":") if p]
-    folders = [*prefixes, os.path.dirname(os.path.realpath(home)), os.getcwd()]
+    folders = [*prefixes, os.path.dirname(os.path.abspath(home)), os.getcwd()]
     return names + [os.path.join(d, base) for d in folders]
 
 
-def _check_link_file(link: Any, home: str, where: str) -> None:
+def _check_link_file(link: Any, home: str, where: str) -> str | None:
     """Refuse an external link whose file is a named pipe, device or socket: HDF5 would
-    open it and wait for ever (a missing file is HDF5's own, ordinary error)."""
+    open it and wait for ever. The file HDF5 will open, or None (missing: HDF5's own,
+    ordinary error)."""
     for c in _link_file_candidates(link.filename, home):
         if os.path.exists(c) and not os.path.isfile(c):
             raise GadgetFileError(
@@ -360,13 +362,38 @@ def _check_link_file(link: Any, home: str, where: str) -> None:
                 "regular file (a named pipe, device or socket, which HDF5 would wait on for ever)"
             )
         if os.path.isfile(c):
-            return  # HDF5 opens the first it finds
+            return c  # HDF5 opens the first it finds
+    return None
 
 
-def _check_links_on_path(f: Any, h5py: ModuleType, name: str, where: str, depth: int = 0) -> None:
-    """Check the external links met on the way to ``name`` (see :func:`_check_link_file`),
-    following soft links (a few deep) as HDF5 would, before ``f.get(name)`` opens them."""
-    group = f
+def _check_links_on_path(f: Any, h5py: ModuleType, name: str, where: str) -> None:
+    """Check every external link met on the way to ``name`` (see :func:`_check_link_file`)
+    before ``f.get(name)`` follows them: soft links are followed (a few deep) and links
+    inside a linked file too (each such file opened by itself, read-only)."""
+    work: list[tuple[str | None, str]] = [(None, name)]
+    for _ in range(16):  # (links of links: a cycle ends here, as in HDF5)
+        if not work:
+            return
+        path, inner = work.pop()
+        if path is None:
+            _walk_links(f, h5py, inner, where, work, 0)
+            continue
+        try:
+            with _OPEN_GATE[0]:  # (never between a fork's hook and the fork)
+                other = h5py.File(path, "r")
+        except (OSError, RuntimeError):
+            continue  # HDF5's own error comes when the link is followed
+        try:
+            _walk_links(other, h5py, inner, where, work, 0)
+        finally:
+            with contextlib.suppress(Exception):
+                other.close()
+
+
+def _walk_links(
+    root: Any, h5py: ModuleType, name: str, where: str, work: list[Any], depth: int
+) -> None:
+    group = root
     parts = [p for p in name.split("/") if p]
     for i, part in enumerate(parts):
         try:
@@ -374,12 +401,17 @@ def _check_links_on_path(f: Any, h5py: ModuleType, name: str, where: str, depth:
         except (KeyError, OSError, RuntimeError):
             return
         if isinstance(link, h5py.ExternalLink):
-            _check_link_file(link, group.file.filename, where)
-        elif isinstance(link, h5py.SoftLink) and depth < 8:
+            target = _check_link_file(link, group.file.filename, where)
+            if target is not None:  # the rest of the way lies in that file
+                work.append((target, "/".join([link.path.rstrip("/"), *parts[i + 1 :]])))
+            return
+        if isinstance(link, h5py.SoftLink) and depth < 8:
             target = link.path
             if not target.startswith("/"):
                 target = group.name.rstrip("/") + "/" + target
-            _check_links_on_path(group.file, h5py, target, where, depth + 1)
+            rest = "/".join([target.rstrip("/"), *parts[i + 1 :]])
+            _walk_links(root, h5py, rest, where, work, depth + 1)
+            return
         if i == len(parts) - 1:
             return
         try:
@@ -683,10 +715,8 @@ class Hdf5Source(ArraySource):
                 self._stored = obj.dtype
                 chunks = obj.chunks
                 self.chunked = chunks is not None
-                #: a row is split over chunks that do not divide it: every chunk is an edge
-                self._column_edges = chunks is not None and any(
-                    int(n) % int(k) for n, k in zip(obj.shape[1:], chunks[1:], strict=True)
-                )
+                #: the chunk shape (for the edge chunks a write makes HDF5 read)
+                self._chunks = tuple(int(k) for k in chunks) if chunks is not None else ()
                 if chunks is not None:
                     self.chunk_rows = int(chunks[0])
                 else:
@@ -699,7 +729,7 @@ class Hdf5Source(ArraySource):
                     # h5py's error for damaged metadata (a heap or B-tree signature)
                     raise GadgetFileError(
                         f"cannot read HDF5 file {self.path}: its metadata is damaged or was "
-                        f"changed while it was read ({exc})"
+                        f"changed while it was read, or its links form a cycle ({exc})"
                     ) from exc
                 raise
             if self._mode == "r+" and not self.exact_writes:
@@ -738,21 +768,39 @@ class Hdf5Source(ArraySource):
         """A chunked dataset's chunk length (HDF5 rewrites whole chunks); 1 for contiguous."""
         return self.chunk_rows if self.chunked else 1
 
-    def reads_on_write(self, start: int, stop: int) -> list[tuple[int, int]]:
-        """Row ranges HDF5 reads when rows ``start:stop`` are written, though they are
-        written whole: its edge chunks, which reach past the dataset's end (rows not a
-        multiple of the chunk's) or its columns (a row split over chunks that do not
-        divide it). A damaged one fails the write, so a writer checks them first."""
+    def check_write_edges(self, start: int, stop: int) -> None:
+        """Read the edge chunks HDF5 reads when rows ``start:stop`` are written, though
+        they are written whole: chunks reaching past the dataset's last row, or past its
+        columns (a row split over chunks that do not divide it). A damaged one raises
+        :class:`GadgetFileError` here, so a writer finds it before its first write. Only
+        those chunks are read (about 32 MiB at a time)."""
         if not self.chunked or stop <= start:
-            return []
+            return
         c = self.chunk_rows
         n = self.shape[0]
-        if self._column_edges:
-            return [(start // c * c, min(n, -(-stop // c) * c))]
+        lo, hi = start // c * c, min(n, -(-stop // c) * c)
+        spans: list[tuple[tuple[int, int], tuple[slice, ...]]] = []
+        for axis, (size, k) in enumerate(zip(self.shape[1:], self._chunks[1:], strict=True)):
+            if size % k:  # the last chunk along this axis sticks out
+                idx = [slice(None)] * len(self.shape)
+                idx[axis + 1] = slice(size // k * k, size)
+                spans.append(((lo, hi), tuple(idx)))
         last = (n - 1) // c * c
         if n % c and stop > last:
-            return [(last, n)]
-        return []
+            spans.append(((last, n), (slice(None),) * len(self.shape)))
+        for (a, b), idx in spans:
+            width = max(1, self.row_nbytes)
+            step = max(c, (32 << 20) // width // c * c)
+            for r in range(a, b, step):
+                sel = (slice(r, min(b, r + step)), *idx[1:])
+                try:
+                    with self._guard():
+                        self._dataset()[sel]
+                except (OSError, RuntimeError, ValueError) as exc:
+                    raise GadgetFileError(
+                        f"{self.path}[{self.dataset!r}]: cannot read rows {r}:{min(b, r + step)} "
+                        f"of an edge chunk a write rewrites ({exc})"
+                    ) from exc
 
     def _open_file(self, h5py: ModuleType | None = None) -> Any:
         h5py = h5py or import_h5py()
@@ -805,7 +853,20 @@ class Hdf5Source(ArraySource):
     def _dataset(self) -> Any:
         if self._ds is None or self._pid != os.getpid():
             f = self._open_file()
-            ds = f.get(self.dataset)
+            if self._mode == "r+" and not getattr(self, "exact_writes", True):
+                # a lossy dataset written here: without the chunk cache (per dataset, as
+                # the file's own setting is shared with other open handles of the file),
+                # so reads are what the file stores, not the rows as written. (Opened
+                # only this way: HDF5 shares one cache between opens of a dataset.)
+                h5py = import_h5py()
+                dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+                dapl.set_chunk_cache(0, 0, 1.0)
+                try:
+                    ds = h5py.Dataset(h5py.h5d.open(f.id, self.dataset.encode(), dapl=dapl))
+                except (KeyError, OSError, RuntimeError, ValueError):
+                    ds = None
+            else:
+                ds = f.get(self.dataset)
             if (
                 ds is None
                 or not hasattr(ds, "shape")

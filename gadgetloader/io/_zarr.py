@@ -358,7 +358,7 @@ class ZarrSource(ArraySource):
         self._arr: Any = arr
         self._key: Any = None
         self._key_pid = 0
-        #: (rows per file, column coordinates, folder, metadata) for _check_files
+        #: (file shape, column coordinates, folder, metadata) for _check_files
         self._units: Any = None
         self._decoders: list[Any] | None = self._plan_direct(arr)
         self.exact_writes = _exact_codecs(arr)
@@ -466,9 +466,12 @@ class ZarrSource(ArraySource):
 
         for_each_chunk(one, chunks, slots, c * self.row_nbytes)
 
-    def _unit_files(self, start: int, stop: int) -> Iterator[tuple[int, int, str]]:
-        """(row index of the file, rows per file, path) of each file (chunk, or shard)
-        holding rows ``start:stop``."""
+    def _unit_files(
+        self, start: int, stop: int, *, with_columns: bool = False
+    ) -> Iterator[tuple[int, Any, str]]:
+        """(row index of the file, rows per file -- or, ``with_columns``, the file's
+        column coordinates --, path) of each file (chunk, or shard) holding rows
+        ``start:stop``."""
         if stop <= start:
             return
         if self._units is None:
@@ -477,28 +480,28 @@ class ZarrSource(ArraySource):
             grid = tuple(int(g) for g in grid)
             cols = [range(-(-n // g)) for n, g in zip(self.shape[1:], grid[1:], strict=True)]
             base = os.path.join(self.path, self.dataset) if self.dataset else self.path
-            self._units = (grid[0], list(itertools.product(*cols)), base, meta)
-        rows, cols, base, meta = self._units
+            self._units = (grid, list(itertools.product(*cols)), base, meta)
+        grid, cols, base, meta = self._units
+        rows = grid[0]
         for r in range(start // rows, (stop - 1) // rows + 1):
             for c in cols:
-                yield r, rows, os.path.join(base, meta.encode_chunk_key((r, *c)))
+                path = os.path.join(base, meta.encode_chunk_key((r, *c)))
+                yield r, (c if with_columns else rows), path
 
     def overwrite_rows(self, start: int, rows: np.ndarray) -> None:
         """:meth:`write_rows` for rows whose old values are not needed (an initializer's).
 
-        zarr writes whole chunks without reading them, but reads a shard it rewrites
-        whole: where that read finds the shard damaged (it cannot be read either), a
-        shard the rows cover whole is removed and written anew, so the damage is
-        replaced rather than refused. Healthy files are never removed, so a write that
-        fails (a full disk) leaves their old values."""
-        if getattr(self._array(), "shards", None) is None:
-            self.write_rows(start, rows)
-            return
+        zarr reads a shard it rewrites, even whole, and :meth:`_check_files` refuses a
+        chunk file that is a pipe or device: where a write fails so, the files of each
+        write unit (chunk, or shard) the rows cover whole that cannot be read (damaged,
+        or not regular files) are removed and the unit written anew, so the damage is
+        replaced rather than refused. Files that read are never removed, so a write that
+        fails otherwise (a full disk) leaves their old values."""
         try:
             self.write_rows(start, rows)
             return
         except GadgetFileError:
-            pass  # find the shard that failed: shard by shard
+            pass  # find the unit that failed: unit by unit
         stop = start + rows.shape[0]
         unit = self.write_unit_rows
         edges = [start, *range((start // unit + 1) * unit, stop, unit), stop]
@@ -509,30 +512,48 @@ class ZarrSource(ArraySource):
                 continue
             except GadgetFileError:
                 whole = u0 % unit == 0 and (u1 % unit == 0 or u1 == self.shape[0])
-                if not whole or self._readable(u0, part):
-                    raise  # not a damaged shard the rows replace: the write's own error
-            for _r, _rows, path in self._unit_files(u0, u1):
-                if os.path.isdir(path):
-                    continue
+                damaged = self._damaged_files(u0, u1) if whole else []
+                if not damaged:
+                    raise  # not damage the rows replace: the write's own error
+            for path in damaged:
                 try:
                     os.unlink(path)
                 except FileNotFoundError:
                     pass
                 except OSError as exc:
                     raise GadgetFileError(
-                        f"{self.path}: cannot remove the damaged shard {path} to write it "
+                        f"{self.path}: cannot remove the damaged file {path} to write it "
                         f"anew ({exc})"
                     ) from exc
             self.write_rows(u0, part)
 
-    def _readable(self, start: int, like: np.ndarray) -> bool:
-        """Whether the rows from ``start`` (as many, and of the kind, of ``like``) read
-        without a :class:`GadgetFileError`."""
-        try:
-            self.read_into(start, start + like.shape[0], np.empty_like(like))
-        except GadgetFileError:
-            return False
-        return True
+    def _damaged_files(self, start: int, stop: int) -> list[str]:
+        """The files (chunks, or shards) holding rows ``start:stop`` that cannot be read:
+        not regular files, empty shards, or files zarr fails to decode."""
+        out = []
+        sharded = getattr(self._array(), "shards", None) is not None
+        for _r, coords, path in self._unit_files(start, stop, with_columns=True):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                out.append(path)
+                continue
+            if not stat.S_ISREG(st.st_mode) or (sharded and st.st_size == 0):
+                out.append(path)
+                continue
+            grid = self._units[0]
+            sel = (slice(start, stop),) + tuple(
+                slice(c * g, min((c + 1) * g, n))
+                for c, g, n in zip(coords, grid[1:], self.shape[1:], strict=True)
+            )
+            try:
+                self._array().get_basic_selection(sel)
+            except Exception:  # (zarr's decode errors have no common class)
+                _drain_zarr_tasks()
+                out.append(path)
+        return out
 
     def _check_files(self, start: int, stop: int) -> None:
         """Before zarr itself reads or rewrites rows ``start:stop``: each file it opens

@@ -816,15 +816,13 @@ class FileStore(Store):
         spans = [(self._block_range(f)[0], self._block_range(la)[1]) for f, la in runs]
         checked = 0  # rows below this were read or lie in an earlier run
         # HDF5 reads its edge chunks even when a write covers them: read them first too
-        edges = getattr(writer, "reads_on_write", None)
-        edge_checked = 0
+        edges = getattr(writer, "check_write_edges", None)
         pending: list[tuple[int, int, np.ndarray]] = []
         held = 0
         for i, (first, last) in enumerate(runs):
             r0, r1 = spans[i]
-            for a, b in edges(r0, r1) if edges is not None else ():
-                self._check_rows(writer, max(a, edge_checked), b)
-                edge_checked = max(edge_checked, b)
+            if edges is not None:
+                edges(r0, r1)
             if unit > 1:
                 nxt = spans[i + 1][0] if i + 1 < len(spans) else self.num_rows
                 u0, u1 = r0 // unit * unit, min(self.num_rows, -(-r1 // unit) * unit)
@@ -993,9 +991,9 @@ class FileStore(Store):
         :data:`INIT_MAX_UNIT_BYTES`), written over, so a damaged chunk or shard is replaced
         by the new values; in a larger shard, blocks are whole chunks and zarr reads the
         shard they rewrite, so a damaged one raises :class:`~gadgetloader.GadgetFileError`.
-        HDF5 reads its edge chunks (those reaching past the last row, or splitting a row's
-        columns) on every write, so those are read first (up to :data:`PRECHECK_BYTES`) and
-        a damaged one raises before anything is written. An error part-way (a full disk)
+        HDF5 reads its edge chunks (those reaching past the last row, or past a row's
+        last columns) on every write, so those chunks are read first and a damaged one
+        raises before anything is written. An error part-way (a full disk)
         leaves the blocks before it initialized and the rest as they were.
 
         Raises
@@ -1024,14 +1022,9 @@ class FileStore(Store):
                 unit = max(1, min(unit, int(getattr(src, "chunk_rows", 1) or 1)))
             # HDF5 reads its edge chunks (past the last row, or splitting a row) on every
             # write: a damaged one is found before anything is written (up to PRECHECK_BYTES)
-            edges = getattr(src, "reads_on_write", None)
-            budget = PRECHECK_BYTES
-            for a, b in edges(0, self.num_rows) if edges is not None else ():
-                b = min(b, a + max(1, budget // max(1, self.row_nbytes)))
-                self._check_rows(src, a, b)
-                budget -= (b - a) * self.row_nbytes
-                if budget <= 0:
-                    break
+            edges = getattr(src, "check_write_edges", None)
+            if edges is not None:
+                edges(0, self.num_rows)
         step = max(1, INIT_BLOCK_BYTES // max(1, self.row_nbytes))
         step = max(unit, step // unit * unit)
         with torch.no_grad():
