@@ -1354,19 +1354,20 @@ class Hdf5Source(ArraySource):
         self._map_end = 0
         ds = self._dataset()
         rb = self.row_nbytes
-        size = os.path.getsize(self.path)
         try:
+            size = os.fstat(self._raw_fd()).st_size
             if not self.chunked:
                 offset = ds.id.get_offset()
                 if offset is None or offset + self.num_rows * rb > size:
                     return None  # not allocated yet (all fill values), or a short file
-                rows = np.memmap(
-                    self.path,
-                    dtype=np.uint8,
-                    mode="r",
-                    offset=int(offset),
-                    shape=(self.num_rows, rb),
-                )
+                with os.fdopen(os.dup(self._raw_fd()), "rb") as fh:  # the file HDF5 reads
+                    rows = np.memmap(
+                        fh,
+                        dtype=np.uint8,
+                        mode="r",
+                        offset=int(offset),
+                        shape=(self.num_rows, rb),
+                    )
                 for r in {0, self.num_rows - 1}:  # trust the offset only if the bytes agree
                     want = np.empty((1, *self.shape[1:]), dtype=self._stored)
                     ds.read_direct(want, np.s_[r : r + 1], np.s_[0:1])
@@ -1381,7 +1382,8 @@ class Hdf5Source(ArraySource):
             ends = table[alloc, 0] + table[alloc, 1]
             if (ends > size).any():
                 return None  # an index pointing past the end: do not map
-            whole = np.memmap(self.path, dtype=np.uint8, mode="r")
+            with os.fdopen(os.dup(self._raw_fd()), "rb") as fh:  # the file HDF5 reads
+                whole = np.memmap(fh, dtype=np.uint8, mode="r")
             self._map_end = int(ends.max()) if ends.size else 0
         except (OSError, ValueError):
             return None
@@ -1433,10 +1435,36 @@ class Hdf5Source(ArraySource):
         return table
 
     def _raw_fd(self) -> int:
+        """This process's descriptor of the file HDF5 has open, opened by path and checked
+        to be that same file: a save that replaced the file at :attr:`path` after the
+        handle opened it must never have its rows read through the old file's chunk
+        index (or mapped)."""
         if self._fd_pid != os.getpid():
-            self._fd = os.open(self.path, os.O_RDONLY)
-            self._fd_pid = os.getpid()
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                self._check_same_file(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd, self._fd_pid = fd, os.getpid()
         return self._fd
+
+    def _check_same_file(self, fd: int) -> None:
+        """Raise :class:`GadgetFileError` if ``fd`` is not the file the HDF5 handle reads."""
+        st = os.fstat(fd)
+        try:
+            held = os.fstat(self._dataset().file.id.get_vfd_handle())
+            want = (held.st_dev, held.st_ino)
+        except GadgetFileError:
+            raise
+        except Exception:  # a driver without a file descriptor: what the path held at open
+            opened = getattr(self, "_opened_key", None)
+            want = (st.st_dev, opened[0]) if opened is not None else (st.st_dev, st.st_ino)
+        if (st.st_dev, st.st_ino) != want:
+            raise GadgetFileError(
+                f"{self.path} was replaced on disk by another file since this table opened "
+                "it; open it again to read the new file"
+            )
 
     def _read_raw_chunk(self, fd: int, table: np.ndarray, k: int, dst: np.ndarray) -> bool:
         offset, size, mask = (int(v) for v in table[k])
