@@ -113,6 +113,9 @@ class NpySource(ArraySource):
         self._mode = mode
         with open(self.path, "rb") as f:
             shape, npd, fortran, offset = _read_header(f, self.path)
+            st = os.fstat(f.fileno())
+        #: the file this source parsed: every later descriptor and map must be of it
+        self._ident = (st.st_dev, st.st_ino)
         if npd.hasobject or npd.kind in "OSUVMm":
             raise GadgetTypeError(
                 f"{self.path}: dtype {npd} cannot be a table; expected a numeric or bool dtype"
@@ -136,7 +139,7 @@ class NpySource(ArraySource):
         self._fortran = fortran
         self._offset = offset
         need = offset + math.prod(shape) * npd.itemsize
-        size = os.path.getsize(self.path)
+        size = st.st_size
         if size < need:
             raise GadgetFileError(
                 f"{self.path} is truncated: its header promises {shape} {npd} "
@@ -157,20 +160,33 @@ class NpySource(ArraySource):
                 ) from exc
             # closed quietly at exit too (a table still open then warned of an unclosed file)
             weakref.finalize(self, self._f.close)
+            st = os.fstat(self._f.fileno())
+            if (st.st_dev, st.st_ino) != self._ident:
+                # a save replaced the file after this source parsed it (and after the
+                # table's check at the start of this call): never read the new file's rows
+                self._f.close()
+                raise GadgetFileError(
+                    f"{self.path} was replaced on disk by another file since this table "
+                    "opened it; open it again to read the new file"
+                )
         return self._f
 
-    def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
-        if self._fortran or self._file_dtype.byteorder == ">":
-            # a map at the header's offset: no second header parse (see _HEADER_LOCK)
-            mm = np.memmap(
-                self.path,
+    def _map(self) -> np.memmap:
+        """A read-only map of the file this source parsed (see :meth:`_file`)."""
+        with os.fdopen(os.dup(self._file().fileno()), "rb") as fh:
+            return np.memmap(
+                fh,
                 dtype=self._file_dtype,
                 mode="r",
                 offset=self._offset,
                 shape=self.shape,
                 order="F" if self._fortran else "C",
             )
-            out[...] = mm[start:stop]
+
+    def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
+        if self._fortran or self._file_dtype.byteorder == ">":
+            # a map at the header's offset: no second header parse (see _HEADER_LOCK)
+            out[...] = self._map()[start:stop]
             return
         f = self._file()
         f.seek(self._offset + start * self.row_nbytes)
@@ -189,9 +205,9 @@ class NpySource(ArraySource):
         if self._fortran:
             return None
         try:
-            return np.memmap(
-                self.path, dtype=self._file_dtype, mode="r", offset=self._offset, shape=self.shape
-            )
+            return self._map()
+        except GadgetFileError:
+            raise
         except (ValueError, OSError) as exc:  # shorter than its header says since it was opened
             raise GadgetFileError(
                 f"{self.path}: cannot map its rows {self.shape} {self._file_dtype} ({exc}); "
