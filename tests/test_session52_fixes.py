@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 import traceback
 
 import h5py
@@ -54,3 +55,77 @@ def test_hdf5_file_replaced_while_rows_are_mapped_never_reads_new_file(
     g.close()
     with h5py.File(path, "r") as f:
         np.testing.assert_array_equal(f["emb"][...], arr + 1000)
+
+
+@pytest.mark.parametrize("order", ["C", "F", "big-endian"])
+def test_npy_file_replaced_before_rows_are_mapped_never_reads_new_file(
+    tmp_path, monkeypatch, order
+):
+    """The same for .npy tables: the rows are mapped (or read) from the file the table
+    parsed, so a save over it between the call's check and the read is refused."""
+    from gadgetloader.io import _npy
+
+    arr = np.arange(96 * 8, dtype=np.float32).reshape(96, 8)
+    stored = arr.astype(">f4") if order == "big-endian" else arr
+    if order == "F":
+        stored = np.asfortranarray(arr)
+    path = str(tmp_path / "t.npy")
+    np.save(path, stored)
+    g = gl.DataGadget(path, placement="file")
+    replaced = []
+
+    def hook(name):
+        orig = getattr(_npy.NpySource, name)
+
+        def wrapped(self, *a, **k):
+            if not replaced:
+                replaced.append(1)  # after the call's checks, before the rows are read
+                np.save(str(tmp_path / "new.npy"), stored + 1000)
+                os.replace(tmp_path / "new.npy", path)
+            return orig(self, *a, **k)
+
+        monkeypatch.setattr(_npy.NpySource, name, wrapped)
+
+    hook("memmap")
+    hook("read_into")
+    ids = np.arange(0, 96, 3)
+    try:
+        got = g.getData(ids).numpy()
+    except gl.GadgetFileError as exc:
+        assert "replaced" in str(exc)
+    else:
+        np.testing.assert_array_equal(got, arr[ids])
+    assert replaced, "the read did not touch the file"
+    with pytest.raises(gl.GadgetFileError, match="replaced"):
+        g.getData(ids)
+    g.close()
+
+
+@pytest.mark.parametrize("cls", ["OffloadedEmbedding", "OffloadedEmbeddingBag"])
+def test_shallow_copy_of_offloaded_embedding_is_refused(cls):
+    """README: a table belongs to one OffloadedOptimizer at a time. copy.copy shared the
+    table yet looked unowned, so a second optimizer could take the same rows; it is a
+    GadgetTypeError now, and deepcopy still gives a separate table with no optimizer."""
+    import copy
+
+    import torch
+
+    torch.manual_seed(0)
+    emb = getattr(gl, cls)(20, 4, placement="cpu", device="cpu")
+    opt = gl.OffloadedOptimizer(torch.optim.Adam, emb, lr=0.1)
+    ids = torch.arange(5)
+    out = emb(ids) if cls == "OffloadedEmbedding" else emb(ids.view(1, -1))
+    out.sum().backward()
+    opt.step()
+    before = emb.state_dict()["weight"].clone()
+    with pytest.raises(gl.GadgetTypeError, match="copy.copy.*share its table"):
+        copy.copy(emb)
+    twin = copy.deepcopy(emb)
+    opt2 = gl.OffloadedOptimizer(torch.optim.Adam, twin, lr=0.1)
+    out = twin(ids) if cls == "OffloadedEmbedding" else twin(ids.view(1, -1))
+    out.sum().backward()
+    opt2.step()
+    assert torch.equal(emb.state_dict()["weight"], before)
+    assert not torch.equal(twin.state_dict()["weight"], before)
+    with pytest.raises(gl.GadgetValueError, match="already belongs"):
+        gl.OffloadedOptimizer(torch.optim.Adam, emb, lr=0.1)

@@ -597,6 +597,15 @@ class _OffloadedTable(nn.Module):
         self._drop_step()
         _set(self, "_late", False)
 
+    def __copy__(self) -> Any:
+        # a shallow copy would share the table, its optimizer state and the step in flight
+        # with this module, yet look unowned: a second optimizer could take the same rows
+        raise GadgetTypeError(
+            f"copy.copy of an {type(self).__name__} would share its table (and the state "
+            "of the optimizer that trains it) with the original; use copy.deepcopy (a "
+            "separate table with no optimizer) or the original module"
+        )
+
     def __getstate__(self) -> dict[str, Any]:
         # a copy (copy.deepcopy, pickling) has the rows but no optimizer and no step in flight
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
