@@ -916,7 +916,9 @@ class FileStore(Store):
         """Rows at ``ids`` on ``device``; reads each needed block once (cache first)."""
         self.check_open()
         with self._guard():
-            return self._gather(ids, device, out, strategy)
+            got = self._gather(ids, device, out, strategy)
+            self._check_read_whole()
+            return got
 
     def scatter(
         self,
@@ -971,7 +973,21 @@ class FileStore(Store):
         """Rows ``start:stop`` read from the file as a new CPU tensor."""
         self.check_open()
         with self._guard():
-            return self._read_block(start, stop)
+            got = self._read_block(start, stop)
+            self._check_read_whole()
+            return got
+
+    def _check_read_whole(self) -> None:
+        """After a read: raise if the file was replaced meanwhile (a save renamed another
+        over it). The check before the read cannot see a replacement during it, and rows
+        read after it may have come from the new file (a zarr chunk is opened by its path)."""
+        for path, ident in zip(self._watch_paths, self._ident, strict=True):
+            try:
+                same = _file_id(path) == ident
+            except OSError:
+                same = False
+            if not same:
+                self._check_file()  # raises, with the reason, and lets the file go
 
     def write_block(self, start: int, rows: torch.Tensor, *, whole_units: bool = False) -> None:
         """Write contiguous rows from ``start`` through to the file. ``whole_units``: the
