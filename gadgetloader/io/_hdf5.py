@@ -825,14 +825,18 @@ class Hdf5Source(ArraySource):
                     except OSError as exc:
                         # HDF5 refuses 'r+' while this process holds the file open read-only
                         # (another table of the same file, say); those readers let go of
-                        # their handles and reopen lazily ('r' beside an open 'r+' is allowed)
-                        if not (
-                            self._mode == "r+"
-                            and "already open for read-only" in str(exc)
-                            and _release_readers(self)
-                        ):
+                        # their handles and reopen lazily ('r' beside an open 'r+' is allowed).
+                        # Tried again also when none was found open: a reader's own thread
+                        # may have closed its handle meanwhile (to reopen it, which waits for
+                        # the gate held here)
+                        if not (self._mode == "r+" and "already open for read-only" in str(exc)):
                             raise
+                        _release_readers(self)
                         self._file = _h5_open(h5py, self.path, self._mode, cache=cache)
+                    # listed while the gate is held: a writer opening the file next (which
+                    # holds the gate) must find this handle to let it go
+                    self._pid = pid
+                    _OPEN.add(self)
             except OSError as exc:
                 text = str(exc).lower()
                 hint = (
