@@ -38,6 +38,8 @@ def as_path(path: Any, what: str = "path") -> str:
                 raise GadgetValueError(
                     f"{what} must not contain a NUL character (no file name can); got {p!r:.80}"
                 )
+            if not p:  # (would resolve to the working directory)
+                raise GadgetValueError(f"{what} is an empty string; give a file or directory name")
             return p
         if isinstance(p, bytes):  # an os.PathLike whose __fspath__ gives bytes
             raise GadgetTypeError(

@@ -26,10 +26,11 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 
 from . import io as _io
 from ._dtypes import dtype_name
-from ._errors import GadgetError, GadgetValueError, as_flag
+from ._errors import GadgetError, GadgetTypeError, GadgetValueError, as_flag
 from ._paths import as_path
 from .io._atomic import InterruptedAfterWrite, interrupts_deferred
 from .io._stream import STAGING_BYTES, blocks, progress_bar
@@ -91,7 +92,7 @@ def convert(
     GadgetError
         Any problem with either file; ``dst`` is then left as it was.
     """
-    src_p, dst_p = as_path(src), as_path(dst)
+    src_p, dst_p = as_path(src, "the source path"), as_path(dst, "the destination path")
     progress = as_flag(progress, "progress", allow_none=True)
     if os.path.realpath(src_p) == os.path.realpath(dst_p) or _same_file(src_p, dst_p):
         # (through a symbolic or hard link too: a save replaces the file the link names)
@@ -111,7 +112,7 @@ def convert(
         raise
     try:
         target = os.path.realpath(dst_p)
-        for w in getattr(source, "watch_paths", ()):
+        for w in getattr(source, "watch_paths", None) or (source.path,):
             # the rows live in the destination (a zarr array inside it, an HDF5 external
             # link's target): replacing it would destroy them and the rest of that file
             real = os.path.realpath(w)
@@ -135,6 +136,12 @@ def convert(
             )
         out_fmt = _io.sink_format(dst_p, dst_format)
         options: dict[str, Any] = {}
+        if out_fmt == "npy" and source.dtype == torch.bfloat16:
+            raise GadgetTypeError(
+                f"{src_p} holds a bfloat16 table, which has no .npy form (NumPy has no "
+                f"bfloat16 dtype) and convert keeps the dtype: convert it to HDF5 or zarr "
+                f"(bit-exact) instead of {dst_p}"
+            )
         if out_fmt == "npy" and dst_dataset is not None:
             raise GadgetValueError(
                 f"--dst-dataset / dst_dataset= names an array inside an HDF5 file or zarr group; "

@@ -276,7 +276,8 @@ class NpySink(ArraySink):
     ) -> None:
         if dtype == torch.bfloat16:
             raise GadgetTypeError(
-                "NumPy has no bfloat16 dtype, so a bfloat16 table has no .npy form; save it to "
+                f"{os.fspath(path)}: NumPy has no bfloat16 dtype, so a bfloat16 table has no "
+                ".npy form; save it to "
                 "HDF5 or zarr (bit-exact), or save a float32 copy, e.g. "
                 "DataGadget(table.as_tensor().float(), placement='cpu').save(path)"
             )

@@ -189,10 +189,21 @@ def open_sink(
 
 
 def sink_format(path: str | os.PathLike[str], format: str | None = None) -> str:
-    """The format a save to ``path`` writes: ``format=``, else by extension."""
-    return (
+    """The format a save to ``path`` writes: ``format=``, else by extension.
+
+    A path ending in a separator names a directory: refused for the formats that write
+    one file (.npy, HDF5), which would otherwise be written at the name without it."""
+    fmt = (
         _check_format(format) if format is not None else guess_format(Path(path), must_exist=False)
     )
+    text = os.fspath(path)
+    if fmt != "zarr" and isinstance(text, str) and text.endswith(("/", os.sep)):
+        raise GadgetValueError(
+            f"{text!r} names a directory (it ends with '/'), but "
+            f"{'a .npy' if fmt == 'npy' else 'an HDF5'} table is saved as one file; give a file "
+            "name"
+        )
+    return fmt
 
 
 def sink_takes(fmt: str, option: str) -> bool:
