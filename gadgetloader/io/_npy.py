@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import math
 import os
@@ -160,20 +161,37 @@ class NpySource(ArraySource):
                 ) from exc
             # closed quietly at exit too (a table still open then warned of an unclosed file)
             weakref.finalize(self, self._f.close)
-            st = os.fstat(self._f.fileno())
-            if (st.st_dev, st.st_ino) != self._ident:
-                # a save replaced the file after this source parsed it (and after the
-                # table's check at the start of this call): never read the new file's rows
+            try:
+                self._check_ident(self._f.fileno())
+            except GadgetFileError:
                 self._f.close()
-                raise GadgetFileError(
-                    f"{self.path} was replaced on disk by another file since this table "
-                    "opened it; open it again to read the new file"
-                )
+                raise
         return self._f
 
+    def _check_ident(self, fd: int) -> None:
+        """Raise unless ``fd`` is the file this source parsed: a save that replaced the
+        file after that (and after the table's check at the start of this call) must
+        never have the new file's rows read."""
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != self._ident:
+            raise GadgetFileError(
+                f"{self.path} was replaced on disk by another file since this table "
+                "opened it; open it again to read the new file"
+            )
+
     def _map(self) -> np.memmap:
-        """A read-only map of the file this source parsed (see :meth:`_file`)."""
-        with os.fdopen(os.dup(self._file().fileno()), "rb") as fh:
+        """A read-only map of the file this source parsed. The map holds its own
+        descriptor: none other is kept open for it (only :meth:`_file`'s, if open)."""
+        if self._f is not None and not self._f.closed:
+            fd = os.dup(self._f.fileno())
+        else:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                self._check_ident(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+        with os.fdopen(fd, "rb") as fh:
             return np.memmap(
                 fh,
                 dtype=self._file_dtype,
@@ -209,6 +227,11 @@ class NpySource(ArraySource):
         except GadgetFileError:
             raise
         except (ValueError, OSError) as exc:  # shorter than its header says since it was opened
+            if getattr(exc, "errno", None) in (errno.EMFILE, errno.ENFILE):
+                raise GadgetFileError(
+                    f"{self.path}: cannot map its rows: too many open files ({exc}); close "
+                    "tables no longer used, or raise the limit (ulimit -n)"
+                ) from exc
             raise GadgetFileError(
                 f"{self.path}: cannot map its rows {self.shape} {self._file_dtype} ({exc}); "
                 "was the file truncated or replaced?"
