@@ -18,7 +18,7 @@ def _shown(value: Any) -> str:
     return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
 
 
-def as_path(path: Any, what: str = "path") -> str:
+def as_path(path: Any, what: str = "path", *, allow_empty: bool = False) -> str:
     """``os.fspath(path)`` for a ``str`` or an ``os.PathLike`` whose ``__fspath__`` gives a
     ``str``; anything else is a :class:`~gadgetloader.GadgetTypeError` naming what arrived.
 
@@ -27,6 +27,10 @@ def as_path(path: Any, what: str = "path") -> str:
     here would make ``save(b"t.npy")`` work while ``DataGadget(b"t.npy")`` cannot. The
     message names ``os.fsdecode``, which turns such a path into the ``str`` taken here
     (undecodable bytes survive as surrogate escapes, and name the same file).
+
+    An empty string is refused (it would stand for the working directory) unless
+    ``allow_empty`` (a directory argument, where ``''`` is what ``os.path.dirname`` gives
+    for a bare file name).
     """
     if isinstance(path, (str, os.PathLike)):
         try:
@@ -38,7 +42,7 @@ def as_path(path: Any, what: str = "path") -> str:
                 raise GadgetValueError(
                     f"{what} must not contain a NUL character (no file name can); got {p!r:.80}"
                 )
-            if not p:  # (would resolve to the working directory)
+            if not p and not allow_empty:  # (would resolve to the working directory)
                 raise GadgetValueError(f"{what} is an empty string; give a file or directory name")
             return p
         if isinstance(p, bytes):  # an os.PathLike whose __fspath__ gives bytes

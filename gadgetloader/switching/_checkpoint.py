@@ -232,7 +232,8 @@ def save_checkpoint(
     Parameters
     ----------
     directory : path
-        Created if missing. Holds one file per table plus ``meta.pt``.
+        Created if missing. Holds one file per table plus ``meta.pt``. ``''`` is the
+        working directory.
     objects : mapping of name to object
         What to save, e.g. ``{"model": model, "optimizer": opt}`` for the drop-in
         module, or ``{"u": u_switch, "u_opt": u_opt_switch, "opt": optimizer}`` for
@@ -319,7 +320,7 @@ def save_checkpoint(
             table.store.check_open()  # a closed table: refused before the directory exists
     metas = {name: _encode_numpy(meta) for name, (_, _, meta) in parts.items()}
     _check_loadable(metas)  # before anything is written, the directory included
-    d = as_path(directory)
+    d = as_path(directory, "directory", allow_empty=True) or "."  # ('': os.path.dirname's)
     if os.path.exists(d) and not os.path.isdir(d):
         raise GadgetFileError(
             f"save_checkpoint: {d} is an existing file; expected a directory (or a path "
@@ -762,7 +763,7 @@ def load_checkpoint(
     Parameters
     ----------
     directory : path
-        What :func:`save_checkpoint` wrote.
+        What :func:`save_checkpoint` wrote (``''``: the working directory).
     objects : mapping of name to object
         The objects to restore, under the names they were saved with.
     verify : bool, default True
@@ -791,7 +792,7 @@ def load_checkpoint(
     """
     _check_objects(objects, "load_checkpoint")
     verify = bool(as_flag(verify, "verify"))
-    d = as_path(directory)
+    d = as_path(directory, "directory", allow_empty=True) or "."  # ('': os.path.dirname's)
     meta_path = os.path.join(d, _META)
     if not os.path.exists(meta_path):
         if os.path.exists(d) and not os.path.isdir(d):
