@@ -1513,22 +1513,33 @@ class DataGadget:
         if dataset is not None:
             kwargs["dataset"] = dataset
         _io.sink_format(path, format)  # an unknown format: refused before anything is made
-        try:
-            _io.save_from(
-                self._store,
-                lambda: _io.open_sink(path, self.shape, self.dtype, format=format, **kwargs),
-                progress=progress,
-                desc=f"save {as_path(path)}",
-            )
-        except BaseException:
-            # an interrupt held until after the new file took its place (see
-            # interrupts_deferred): read the new file, then let the interrupt through
-            if over_itself and getattr(self._store, "file_replaced", lambda: False)():
+        with contextlib.ExitStack() as held:
+            if over_itself and self.placement == "file":
+                # other threads' calls on the table wait from the first row read until the
+                # table reads the new file: a write made meanwhile would go to the old file
+                # after the save read its rows (and be lost with it), a call between the
+                # rename and the reload would find the file replaced. They are then made
+                # on the new file (as after another thread's load()). The swap lock first,
+                # as a call made again after a load takes them
+                held.enter_context(_SWAP_LOCK)
+                held.enter_context(self._store.exclusive())
+                self._store.check_open()  # closed or reloaded while this thread waited
+            try:
+                _io.save_from(
+                    self._store,
+                    lambda: _io.open_sink(path, self.shape, self.dtype, format=format, **kwargs),
+                    progress=progress,
+                    desc=f"save {as_path(path)}",
+                )
+            except BaseException:
+                # an interrupt held until after the new file took its place (see
+                # interrupts_deferred): read the new file, then let the interrupt through
+                if over_itself and getattr(self._store, "file_replaced", lambda: False)():
+                    self.load(path, dataset=dataset, format=format, progress=False)
+                raise
+            if over_itself:
+                # the file this table reads was just replaced: read the new one from now on
                 self.load(path, dataset=dataset, format=format, progress=False)
-            raise
-        if over_itself:
-            # the file this table reads from was just replaced: read the new one from now on
-            self.load(path, dataset=dataset, format=format, progress=False)
 
     def saveCupy(self, saveFileName: str | os.PathLike[str]) -> None:
         """Save as .npy to ``saveFileName`` (SpeedTorch's name); atomic and streamed like
