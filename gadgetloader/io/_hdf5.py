@@ -937,11 +937,15 @@ class Hdf5Source(ArraySource):
                     if info.byte_offset is not None:  # (None: not allocated)
                         need = max(need, int(info.byte_offset) + int(info.size))
         if size < need:
-            raise GadgetFileError(
+            exc = GadgetFileError(
                 f"{self.path}: its file is {size} bytes, shorter than the rows {start}:{stop} "
                 f"need ({need}); it was truncated or rewritten in place since this table "
                 "opened it (HDF5 would read the missing bytes as zeros); open it again"
             )
+            # a handle open for writing is the file's only writer: it was truncated, for
+            # good (the file table lets it go, and every later call raises)
+            exc.file_lost = self._mode == "r+"  # type: ignore[attr-defined]
+            raise exc
 
     def _guard(self) -> threading.RLock:
         if self._lock_pid != os.getpid():  # a lock inherited through a fork may be held

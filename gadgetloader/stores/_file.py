@@ -208,7 +208,9 @@ class FileStore(Store):
     same file in place at the same or a larger size is not detected. For HDF5 the
     truncation check covers rows served from the cache only while the table reads (has
     not written): a table that has written refuses the file when it next reads or writes
-    it, and an external link's target is watched only through those reads and writes.
+    it through the file (and every call from then on), and an external link's target is
+    watched only through those reads and writes. A read also checks the file again when
+    it ends: rows of a file saved over this one during the read are never returned.
     """
 
     placement = "file"
@@ -332,6 +334,13 @@ class FileStore(Store):
             self._check_file()
             try:
                 yield
+            except GadgetFileError as exc:
+                if getattr(exc, "file_lost", False) and self._lost is None:
+                    # the source found the file truncated: refused from now on, as the
+                    # checks before each call refuse it (cached rows are not served)
+                    self._lost = str(exc)
+                    self._release_locked()
+                raise
             finally:
                 if self._closed:  # closed during this call (see _release): release here
                     self._release_locked()
