@@ -108,18 +108,24 @@ def _on_current_store(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def call(self: DataGadget, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(self, *args, **kwargs)
-        except StoreRetired:
-            pass
-        with _SWAP_LOCK:  # no load replaces the store while the call is made again
+        # made again without the swap lock first: a thread saving the table over its own
+        # file holds the file's lock until it has loaded the new file (taking the swap
+        # lock), so a call waiting for that file lock must not hold the swap lock
+        for _ in range(_RETRIES):
+            try:
+                return fn(self, *args, **kwargs)
+            except StoreRetired:
+                pass
+        with _SWAP_LOCK:  # loads kept overtaking the call: none replaces the store now
             return fn(self, *args, **kwargs)
 
     return call
 
 
-#: held while a table's store is replaced, and by a call made again after a replacement
+#: held while a table's store is replaced, and by a call made again after many replacements
 _SWAP_LOCK = threading.RLock()
+#: how many times a call overtaken by loads is made again before it holds the swap lock
+_RETRIES = 8
 
 
 def _rows_of(sl: slice, n: int) -> range:
@@ -1519,9 +1525,9 @@ class DataGadget:
                 # table reads the new file: a write made meanwhile would go to the old file
                 # after the save read its rows (and be lost with it), a call between the
                 # rename and the reload would find the file replaced. They are then made
-                # on the new file (as after another thread's load()). The swap lock first,
-                # as a call made again after a load takes them
-                held.enter_context(_SWAP_LOCK)
+                # on the new file (as after another thread's load()). Only the file's lock
+                # is held: the swap lock, which the reload takes briefly, is never held
+                # by a thread waiting for a file's lock (see _on_current_store)
                 held.enter_context(self._store.exclusive())
                 self._store.check_open()  # closed or reloaded while this thread waited
             try:
