@@ -885,6 +885,20 @@ class Hdf5Source(ArraySource):
             self._ds = ds
         return self._ds
 
+    def _other_writers_here(self) -> bool:
+        """Whether another source of this file is open for writing in this process."""
+        pid = os.getpid()
+        for src in list(_OPEN):
+            if (
+                src is not self
+                and src._mode == "r+"
+                and src._file is not None
+                and src._pid == pid
+                and src._realpath() == self._realpath()
+            ):
+                return True
+        return False
+
     def _check_extent(self, ds: Any, start: int, stop: int) -> None:
         """Raise if the file holding ``ds`` (this one, or the target of an external link)
         is now shorter than rows ``start:stop`` are stored at, as this handle knows them:
@@ -906,11 +920,14 @@ class Hdf5Source(ArraySource):
             self._mode == "r+"
             and not getattr(self, "external", False)
             and not getattr(self, "_unflushed", False)
+            and not self._other_writers_here()
         ):
             # a handle open for writing is the file's only writer (HDF5's lock): once its
             # writes are flushed (the file table flushes once per call) the end of the space
             # HDF5 has allocated is where the file ends; a truncation, or a smaller file
-            # copied over it, ends before (between a call's writes the file may lag behind)
+            # copied over it, ends before (between a call's writes the file may lag behind).
+            # Not while another table of the file writes in this process: HDF5 shares the
+            # allocation between the handles, and that table's call may not have flushed yet
             with contextlib.suppress(Exception):
                 need = int(ds.file.id.get_filesize())
         if not self.chunked:
