@@ -406,3 +406,88 @@ def test_hdf5_table_that_wrote_keeps_refusing_a_truncated_file(tmp_path):
         with pytest.raises(gl.GadgetFileError, match="truncated"):
             call()
     g.close()
+
+
+def test_save_over_own_file_waits_without_blocking_other_tables(tmp_path):
+    """The self-save waits for the file's lock without holding the lock that swaps a
+    table's store: a thread holding the file's lock (``store.exclusive()``) may still
+    close another table meanwhile, then the save goes on. (Holding the swap lock for the
+    whole save hung both threads, and every other table's close() and load() waited.)"""
+    import threading
+    import time
+
+    arr = np.arange(64 * 4, dtype=np.float32).reshape(64, 4)
+    path = _make(tmp_path, "npy", arr)
+    g = gl.DataGadget(path, placement="file")
+    other = gl.DataGadget(arr.copy(), placement="cpu")
+    holding, done = threading.Event(), {}
+
+    def hold_then_close_other():
+        with g.store.exclusive():
+            holding.set()
+            time.sleep(0.3)  # the save below is waiting for this lock now
+            other.close()
+        done["closer"] = True
+
+    def save_over_itself():
+        assert holding.wait(30)
+        g.save(path)
+        done["saver"] = True
+
+    ts = [
+        threading.Thread(target=f, daemon=True) for f in (hold_then_close_other, save_over_itself)
+    ]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert done == {"closer": True, "saver": True}, done
+    np.testing.assert_array_equal(g.getNumpyVersion(), arr)
+    g.close()
+
+
+@pytest.mark.parametrize("compression", ["gzip", None])
+def test_two_hdf5_datasets_written_from_two_threads_never_look_truncated(tmp_path, compression):
+    """Tables of two datasets of one HDF5 file, written from two threads: a table's check
+    of its file's end took the space HDF5 had allocated for the other table's unflushed
+    writes (the handles share it) for a truncation -- a false GadgetFileError, which is
+    now also final. The other table's writes no longer count."""
+    import threading
+
+    path = str(tmp_path / "two.h5")
+    with h5py.File(path, "w") as f:
+        for name in "ab":
+            f.create_dataset(
+                name, shape=(4096, 16), dtype="f4", chunks=(64, 16), compression=compression
+            )
+            f[name][...] = 0
+    tabs = [gl.DataGadget(path, dataset=n, placement="file") for n in "ab"]
+    errors, last = [], [{}, {}]
+
+    def work(k):
+        g, rng = tabs[k], np.random.default_rng(k)
+        for _ in range(150):
+            ids = rng.choice(4096, 32, replace=False)
+            rows = rng.random((32, 16), dtype=np.float32)
+            try:
+                g.insertData(torch.from_numpy(rows), torch.from_numpy(ids))
+                np.testing.assert_array_equal(g.getData(torch.from_numpy(ids)).numpy(), rows)
+                g.getData(torch.from_numpy(rng.choice(4096, 256, replace=False)))
+            except Exception as exc:  # noqa: BLE001 - any failure is the finding
+                errors.append(f"{'ab'[k]}: {type(exc).__name__}: {exc}")
+                return
+            last[k].update(zip(ids.tolist(), rows, strict=True))
+
+    ts = [threading.Thread(target=work, args=(k,), daemon=True) for k in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not errors, errors[:2]
+    for g in tabs:
+        g.close()
+    with h5py.File(path, "r") as f:
+        for k, name in enumerate("ab"):
+            got = f[name][...]
+            for row, values in last[k].items():
+                np.testing.assert_array_equal(got[row], values)
