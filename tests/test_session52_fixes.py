@@ -491,3 +491,39 @@ def test_two_hdf5_datasets_written_from_two_threads_never_look_truncated(tmp_pat
             got = f[name][...]
             for row, values in last[k].items():
                 np.testing.assert_array_equal(got[row], values)
+
+
+def test_hdf5_source_lists_survive_sources_opened_in_other_threads():
+    """The HDF5 code lists its open sources (a writer's check of other writers on every
+    write, the release of readers, the fork hook) from weak sets, whose iteration raised
+    RuntimeError when another thread opened a source meanwhile."""
+    import sys
+    import threading
+    import weakref
+
+    class Item:
+        pass
+
+    items = [Item() for _ in range(200)]
+    ws = weakref.WeakSet(items[:100])
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            for o in items[100:]:
+                ws.add(o)
+            for o in items[100:]:
+                ws.discard(o)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    t = threading.Thread(target=churn, daemon=True)
+    t.start()
+    try:
+        for _ in range(5000):
+            got = _hdf5._listed(ws)
+            assert set(items[:100]) <= set(got)
+    finally:
+        stop.set()
+        t.join(30)
+        sys.setswitchinterval(old)

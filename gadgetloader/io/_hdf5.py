@@ -159,6 +159,16 @@ def _worker_info() -> Any:
     return get_worker_info()
 
 
+def _listed(sources: weakref.WeakSet[Hdf5Source]) -> list[Hdf5Source]:
+    """The sources in ``sources`` now. A weak set's iteration runs in Python: another
+    thread adding a source meanwhile ends it with RuntimeError, so it is made again."""
+    while True:
+        try:
+            return list(sources)
+        except RuntimeError:
+            continue
+
+
 def _release_readers(writer: Hdf5Source) -> bool:
     """Let other sources of ``writer``'s file in this process drop their read-only handles
     (each under its own lock; they reopen on their next read). Returns whether any did.
@@ -166,7 +176,7 @@ def _release_readers(writer: Hdf5Source) -> bool:
     open read-only for as long as the linking file's handle holds its dataset."""
     pid, here = os.getpid(), file_identity(writer.path)
     released = False
-    for src in list(_OPEN):
+    for src in _listed(_OPEN):
         if (
             src is writer
             or src._mode != "r"
@@ -222,7 +232,7 @@ def _before_fork() -> None:
     _HOOK_OWNED[0] = True
     _GATE_HELD[0] = _OPEN_GATE[0].acquire(timeout=_FORK_WAIT_S)
     held: list[threading.RLock] = []
-    for src in list(_SOURCES):
+    for src in _listed(_SOURCES):
         try:
             lock = src._guard()
         except Exception:  # noqa: BLE001 - a hook must not fail the fork
@@ -888,7 +898,7 @@ class Hdf5Source(ArraySource):
     def _other_writers_here(self) -> bool:
         """Whether another source of this file is open for writing in this process."""
         pid = os.getpid()
-        for src in list(_OPEN):
+        for src in _listed(_OPEN):
             if (
                 src is not self
                 and src._mode == "r+"
