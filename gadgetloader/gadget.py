@@ -116,8 +116,17 @@ def _on_current_store(fn: Callable[..., Any]) -> Callable[..., Any]:
                 return fn(self, *args, **kwargs)
             except StoreRetired:
                 pass
-        with _SWAP_LOCK:  # loads kept overtaking the call: none replaces the store now
-            return fn(self, *args, **kwargs)
+        while True:
+            # loads kept overtaking the call: none replaces the store now. The file's
+            # lock first, then the swap lock, in the order a save over the table's own
+            # file takes them (it reloads while holding the file's lock)
+            store = self._store
+            exclusive = getattr(store, "exclusive", None)
+            held = exclusive() if exclusive is not None else contextlib.nullcontext()
+            with held, _SWAP_LOCK:
+                if self._store is not store:
+                    continue  # replaced while this thread waited for the locks
+                return fn(self, *args, **kwargs)
 
     return call
 
@@ -1530,6 +1539,7 @@ class DataGadget:
                 # by a thread waiting for a file's lock (see _on_current_store)
                 held.enter_context(self._store.exclusive())
                 self._store.check_open()  # closed or reloaded while this thread waited
+            saved = self._store
             try:
                 _io.save_from(
                     self._store,
@@ -1540,12 +1550,12 @@ class DataGadget:
             except BaseException:
                 # an interrupt held until after the new file took its place (see
                 # interrupts_deferred): read the new file, then let the interrupt through
-                if over_itself and getattr(self._store, "file_replaced", lambda: False)():
-                    self.load(path, dataset=dataset, format=format, progress=False)
+                if over_itself and getattr(saved, "file_replaced", lambda: False)():
+                    self._load(path, dataset=dataset, format=format, progress=False, expect=saved)
                 raise
             if over_itself:
                 # the file this table reads was just replaced: read the new one from now on
-                self.load(path, dataset=dataset, format=format, progress=False)
+                self._load(path, dataset=dataset, format=format, progress=False, expect=saved)
 
     def saveCupy(self, saveFileName: str | os.PathLike[str]) -> None:
         """Save as .npy to ``saveFileName`` (SpeedTorch's name); atomic and streamed like
@@ -1587,6 +1597,20 @@ class DataGadget:
         the file is read into a staging copy first (1x the table in ordinary RAM, as a
         new store would take), so a file that fails part-way leaves the table unchanged.
         """
+        self._load(path, dataset=dataset, format=format, progress=progress)
+
+    def _load(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        dataset: str | None,
+        format: str | None,
+        progress: bool | None,
+        expect: Store | None = None,
+    ) -> None:
+        """:meth:`load`; with ``expect``, only if the table still has that store when the
+        new one is swapped in (a save over the table's own file reloading it: another
+        thread's load() made meanwhile stands)."""
         self._store.check_open()  # a closed table stays closed: no new store behind it
         self._check_no_waiting_lookup("loading a file into this table")
         if progress is not None:  # checked here: a file table's reopen never reads rows
@@ -1631,6 +1655,9 @@ class DataGadget:
             if self._store.closed:  # close() came while the file was read: it stays closed
                 new.close()
                 self._store.check_open()  # raises GadgetClosedError naming the table
+            if expect is not None and self._store is not expect:
+                new.close()  # another thread loaded a file meanwhile: its load stands
+                return
             old, self._store = self._store, new
             self._wrote()
             old.retire()

@@ -446,8 +446,11 @@ def test_save_over_own_file_waits_without_blocking_other_tables(tmp_path):
     g.close()
 
 
+@pytest.mark.parametrize("link", [False, True], ids=["one-name", "hard-link"])
 @pytest.mark.parametrize("compression", ["gzip", None])
-def test_two_hdf5_datasets_written_from_two_threads_never_look_truncated(tmp_path, compression):
+def test_two_hdf5_datasets_written_from_two_threads_never_look_truncated(
+    tmp_path, compression, link
+):
     """Tables of two datasets of one HDF5 file, written from two threads: a table's check
     of its file's end took the space HDF5 had allocated for the other table's unflushed
     writes (the handles share it) for a truncation -- a false GadgetFileError, which is
@@ -461,7 +464,11 @@ def test_two_hdf5_datasets_written_from_two_threads_never_look_truncated(tmp_pat
                 name, shape=(4096, 16), dtype="f4", chunks=(64, 16), compression=compression
             )
             f[name][...] = 0
-    tabs = [gl.DataGadget(path, dataset=n, placement="file") for n in "ab"]
+    other = path
+    if link:  # the second table reaches the file by another name (HDF5 shares the file)
+        other = str(tmp_path / "linked.h5")
+        os.link(path, other)
+    tabs = [gl.DataGadget(p, dataset=n, placement="file") for p, n in ((path, "a"), (other, "b"))]
     errors, last = [], [{}, {}]
 
     def work(k):
@@ -527,3 +534,134 @@ def test_hdf5_source_lists_survive_sources_opened_in_other_threads():
         stop.set()
         t.join(30)
         sys.setswitchinterval(old)
+
+
+def test_retried_call_and_self_save_take_locks_in_one_order(tmp_path, monkeypatch):
+    """A call overtaken by loads often enough is made again holding the swap lock; it
+    took that lock before the file's, while a save over the table's own file holds the
+    file's lock and then reloads (taking the swap lock): both hung. Made likely here by
+    retrying under the lock after one retirement instead of several."""
+    import threading
+    import time
+
+    from gadgetloader import gadget as _gadget
+
+    monkeypatch.setattr(_gadget, "_RETRIES", 1)  # (the lock-holding retry, often)
+    arr = np.arange(64 * 4, dtype=np.float32).reshape(64, 4)
+    path = _make(tmp_path, "npy", arr)
+    g = gl.DataGadget(path, placement="file")
+    stop, counts, errors = threading.Event(), {"saves": 0, "reads": 0}, []
+
+    def saver():
+        while not stop.is_set():
+            try:
+                g.save(path)
+            except Exception as exc:  # noqa: BLE001 - any failure is the finding
+                errors.append(repr(exc))
+                return
+            counts["saves"] += 1
+
+    def reader():
+        ids = torch.tensor([3, 7])
+        while not stop.is_set():
+            try:
+                got = g.getData(ids, device="cpu")
+            except Exception as exc:  # noqa: BLE001
+                errors.append(repr(exc))
+                return
+            counts["reads"] += 1
+        np.testing.assert_array_equal(got.numpy(), arr[[3, 7]])
+
+    ts = [threading.Thread(target=f, daemon=True) for f in (saver, reader)]
+    for t in ts:
+        t.start()
+    time.sleep(5)
+    before = dict(counts)
+    time.sleep(1)
+    stop.set()
+    for t in ts:
+        t.join(30)
+    assert not any(t.is_alive() for t in ts), f"hung: {counts}"
+    assert not errors, errors[:2]
+    assert counts["saves"] > before["saves"] and counts["reads"] > before["reads"], counts
+    g.close()
+
+
+def test_self_save_reload_does_not_undo_another_threads_load(tmp_path, monkeypatch):
+    """A load() another thread made after a save over the table's own file had read its
+    rows was undone when the save reloaded its file; the later load now stands."""
+    import threading
+    import time
+
+    from gadgetloader import io as _io
+
+    own, other = str(tmp_path / "own.npy"), str(tmp_path / "other.npy")
+    np.save(own, np.zeros((64, 4), np.float32))
+    np.save(other, np.full((64, 4), 9.0, np.float32))
+    g = gl.DataGadget(own, placement="file")
+    real = _io.save_from
+    committed = threading.Event()
+
+    def slow_save_from(*a, **k):
+        out = real(*a, **k)  # rows read, the new file renamed into place
+        committed.set()
+        time.sleep(0.5)
+        return out
+
+    monkeypatch.setattr(_io, "save_from", slow_save_from)
+    res = {}
+
+    def saver():
+        g.save(own)
+        res["save"] = True
+
+    def loader():
+        assert committed.wait(30)
+        g.load(other)
+        res["load"] = True
+
+    ts = [threading.Thread(target=f, daemon=True) for f in (saver, loader)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert res == {"save": True, "load": True}, res
+    assert os.path.basename(g.store.path) == "other.npy"
+    np.testing.assert_array_equal(g.getNumpyVersion(), np.full((64, 4), 9.0, np.float32))
+    g.close()
+
+
+def test_truncation_is_found_with_two_written_tables_of_one_hdf5_file(tmp_path):
+    """The check of the file's end stood aside whenever another table of the file was
+    open for writing -- for good, once both had written -- so rows cut off by another
+    program read as zeros. It stands aside only while another table's write is in
+    flight now."""
+    path = str(tmp_path / "two.h5")
+    with h5py.File(path, "w") as f:
+        f.create_dataset("a", shape=(4096, 16), dtype="f4", chunks=(64, 16), compression="gzip")
+        f["a"][...] = 0
+        f.create_dataset("b", shape=(4096, 16), dtype="f4", chunks=(64, 16))
+        f["b"][...] = 3.0
+    ta = gl.DataGadget(path, dataset="a", placement="file")
+    tb = gl.DataGadget(path, dataset="b", placement="file")
+    ta.insertData(torch.ones(1, 16), torch.tensor([640]))  # a's chunk moves to the end
+    tb.insertData(torch.full((1, 16), 2.0), torch.tensor([0]))
+    ta.flush()
+    tb.flush()
+    with h5py.File(path, "r") as f:
+        ds = f["b"]
+        last = max(
+            (ds.id.get_chunk_info(i) for i in range(ds.id.get_num_chunks())),
+            key=lambda info: info.byte_offset,
+        )
+    os.truncate(path, last.byte_offset)  # b's last chunk is cut off
+    row = last.chunk_offset[0] + 5
+    rows = torch.from_numpy(np.random.default_rng(0).random((64, 16), dtype=np.float32))
+    with pytest.raises(gl.GadgetFileError, match="truncated"):
+        ta.insertData(rows, torch.arange(64, 128))  # (would write past the cut)
+    with pytest.raises(gl.GadgetFileError, match="truncated"):
+        tb.getData(torch.tensor([row]))
+    with pytest.raises(gl.GadgetFileError, match="truncated"):
+        ta.getData(torch.tensor([1]))
+    ta.close()
+    tb.close()

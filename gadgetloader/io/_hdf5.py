@@ -202,6 +202,9 @@ def _release_readers(writer: Hdf5Source) -> bool:
 
 #: the sources' locks held by the forking thread from just before a fork until just after it
 _FORK_HELD: list[threading.RLock] = []
+#: writes begun on each file (by identity) in this process: a table checking where its
+#: file ends does not trust HDF5's allocation if another table began a write meanwhile
+_WRITE_STARTS: dict[Any, int] = {}
 #: taken by every source while it opens its file, and by a fork's hook from before the fork
 #: until just after it: no handle (with its HDF5 file lock) opens between the hook closing
 #: the handles and the fork -- a child would inherit it, and the lock with it, so that this
@@ -859,6 +862,11 @@ class Hdf5Source(ArraySource):
                 ) from exc
             self._pid = pid
             self._unflushed = False  # a handle just opened: the file is as HDF5 left it
+            try:  # the file HDF5 opened, under any name (hard links share HDF5's file)
+                held = os.fstat(self._file.id.get_vfd_handle())
+                self._fid: Any = (held.st_dev, held.st_ino)
+            except Exception:  # a driver without a file descriptor
+                self._fid = file_identity(self.path)
             _OPEN.add(self)
             self._closed = False
             _SOURCES.add(self)
@@ -895,16 +903,18 @@ class Hdf5Source(ArraySource):
             self._ds = ds
         return self._ds
 
-    def _other_writers_here(self) -> bool:
-        """Whether another source of this file is open for writing in this process."""
+    def _others_writing(self) -> bool:
+        """Whether another handle of this file in this process holds unflushed writes
+        (HDF5 shares the file's allocation between them: its end may run ahead of the
+        file until that handle flushes)."""
+        fid = getattr(self, "_fid", None)
         pid = os.getpid()
         for src in _listed(_OPEN):
             if (
                 src is not self
-                and src._mode == "r+"
-                and src._file is not None
+                and getattr(src, "_unflushed", False)
                 and src._pid == pid
-                and src._realpath() == self._realpath()
+                and getattr(src, "_fid", None) == fid
             ):
                 return True
         return False
@@ -926,11 +936,13 @@ class Hdf5Source(ArraySource):
         except Exception:  # a driver without a file descriptor
             return
         need = 0
+        fid = getattr(self, "_fid", None)
+        started = _WRITE_STARTS.get(fid, 0)
         if (
             self._mode == "r+"
             and not getattr(self, "external", False)
             and not getattr(self, "_unflushed", False)
-            and not self._other_writers_here()
+            and not self._others_writing()
         ):
             # a handle open for writing is the file's only writer (HDF5's lock): once its
             # writes are flushed (the file table flushes once per call) the end of the space
@@ -940,6 +952,8 @@ class Hdf5Source(ArraySource):
             # allocation between the handles, and that table's call may not have flushed yet
             with contextlib.suppress(Exception):
                 need = int(ds.file.id.get_filesize())
+            if _WRITE_STARTS.get(fid, 0) != started:
+                need = 0  # another table of the file began writing meanwhile
         if not self.chunked:
             offset = ds.id.get_offset()
             if offset is None:  # not allocated yet: fill values
@@ -1542,6 +1556,11 @@ class Hdf5Source(ArraySource):
         with self._guard():
             ds = self._dataset()
             self._check_extent(ds, start, stop)  # a shrunk file: refused before any write
+            # counted before the write allocates: another table's check of the file's end
+            # (below) then knows the allocation may run ahead of the file
+            self._unflushed = True
+            fid = getattr(self, "_fid", None)
+            _WRITE_STARTS[fid] = _WRITE_STARTS.get(fid, 0) + 1
             try:
                 ds.write_direct(
                     np.ascontiguousarray(rows), np.s_[0 : stop - start], np.s_[start:stop]
